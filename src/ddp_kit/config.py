@@ -1,0 +1,178 @@
+"""The training job's config: dataclass defaults < YAML file < command-line flags, strictly checked.
+
+Only `train.py` reads this; library modules take plain arguments. No torch import here, so a
+bad config is refused before torch (1-2 s) is even loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import UserError
+
+
+def _f(default: Any, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = _f("mlp", "Built-in model: mlp (the MNIST example's 784-256-10 MLP, input size from the data), resnet18 (CIFAR stem), tiny.")
+    dataset: str = _f("digits", "Built-in dataset: digits (scikit-learn's 8x8 digits, bundled), mnist, cifar10 (from data_root), synthetic.")
+    data_root: str = _f("./data", "Folder holding MNIST/CIFAR-10 files (torchvision layout).")
+    download: bool = _f(False, "Download MNIST/CIFAR-10 into data_root when missing. Off by default: jobs never touch the network unasked.")
+    epochs: int = _f(20, "Passes over the training set.")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps in total (None: run all epochs).")
+    batch_size: int = _f(64, "GLOBAL batch per optimizer step, over all ranks and micro-steps. Per-rank micro-batch = batch_size / (world_size * grad_accum).")
+    grad_accum: int = _f(1, "Micro-steps per optimizer step; the all-reduce runs on the last one only.")
+    lr: float = _f(3e-3, "Peak learning rate.")
+    lr_schedule: str = _f("cosine", "Learning-rate schedule over the whole run.", ("constant", "cosine"))
+    optimizer: str = _f("adamw", "Optimizer.", ("adamw", "sgd"))
+    weight_decay: float = _f(0.0, "Weight decay.")
+    momentum: float = _f(0.9, "SGD momentum (sgd only).")
+    seed: int = _f(0, "Seed for the model init, the data order and the RNGs. Same seed and global batch give the same recipe on any world size.")
+    run_dir: str = _f("runs/default", "Where rank 0 writes config.yaml, metrics.jsonl, summary.json (and checkpoints).")
+    amp: str = _f("off", "Mixed precision: off, bf16 (autocast), fp16 (autocast + GradScaler, CUDA only).", ("off", "bf16", "fp16"))
+    num_workers: int = _f(0, "DataLoader worker processes per rank.")
+    log_every: int = _f(50, "Optimizer steps between log lines and metrics.jsonl records.")
+    eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
+    device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
+    backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
+    sync_bn: bool = _f(False, "Convert BatchNorm layers to SyncBatchNorm when world size > 1.")
+    compile: bool = _f(False, "Wrap the model in torch.compile.")
+    channels_last: bool = _f(False, "Use channels_last memory format for image models.")
+    synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
+    init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
+    progress: bool = _f(True, "Show a progress bar on rank 0.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """A short, stable hash of the resolved config: ranks and checkpoints compare it."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _resolved_type(name: str) -> Any:
+    return typing.get_type_hints(TrainConfig)[name]
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert `value` to the annotated type of `name`, or refuse it by name."""
+    tp = _resolved_type(name)
+    optional = False
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional, tp = True, args[0]
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise UserError(f"config key '{name}' cannot be empty", f"give a {tp.__name__}")
+    try:
+        out = _convert(tp, value)
+    except (TypeError, ValueError):
+        raise UserError(f"config key '{name}' expects {tp.__name__}, got {value!r} ({type(value).__name__})",
+                        f"e.g. --{name} {_example(tp)}") from None
+    choices = FIELDS[name].metadata.get("choices")
+    if choices and out not in choices:
+        raise UserError(f"config key '{name}' must be one of {', '.join(choices)}; got {out!r}", f"e.g. --{name} {choices[0]}")
+    return out
+
+
+def _convert(tp: type, value: Any) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ValueError(value)
+    if tp is int:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(float(value)) if isinstance(value, (str, float)) else int(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        return float(value)  # PyYAML reads 3e-4 as the string '3e-4'
+    if tp is str:
+        if isinstance(value, (dict, list, tuple)):
+            raise TypeError(value)
+        return str(value)
+    raise TypeError(tp)
+
+
+def _example(tp: type) -> str:
+    return {int: "3", float: "0.001", bool: "true", str: "name"}.get(tp, "value")
+
+
+def _check_keys(keys, source: str) -> None:
+    for key in keys:
+        if key not in FIELDS:
+            near = [k for k in FIELDS if k.startswith(key[:3])] if len(key) >= 3 else []
+            hint = f"did you mean {' or '.join(near)}?" if near else "run with --help_config to list the keys"
+            raise UserError(f"unknown config key '{key}' in {source}", hint)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {str(p)!r} not found", "pass an existing YAML file, e.g. configs/default.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file {str(p)!r} is not valid YAML{where}", "fix the syntax") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {str(p)!r} must hold a mapping of key: value", "see configs/default.yaml")
+    return data
+
+
+def resolve(config_file: str | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Defaults < YAML file < overrides. Keys may use '-' or '_'."""
+    values: dict[str, Any] = {}
+    if config_file:
+        data = load_yaml(config_file)
+        _check_keys(data, config_file)
+        values.update(data)
+    flags = {k.replace("-", "_"): v for k, v in (overrides or {}).items()}
+    _check_keys(flags, "the command line")
+    values.update(flags)
+    cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: TrainConfig) -> None:
+    for key in ("epochs", "batch_size", "grad_accum", "log_every"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"config key '{key}' must be at least 1; got {getattr(cfg, key)}", f"e.g. --{key} 1")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        raise UserError(f"max_steps must be at least 1 or None; got {cfg.max_steps}", "drop --max_steps to run all epochs")
+    if cfg.lr <= 0:
+        raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
+    if cfg.num_workers < 0:
+        raise UserError(f"num_workers must be >= 0; got {cfg.num_workers}", "e.g. --num_workers 2")
+
+
+def help_text() -> str:
+    lines = ["Config keys (defaults < YAML file < --flags):"]
+    for name, f in FIELDS.items():
+        lines.append(f"  {name:<18} = {f.default!r:<14} {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""The distributed context: process-group setup and teardown, backend and device choice, rank helpers.
+
+`distributed()` is the one way in. It binds the device before init, picks the backend, creates
+the process group from the detected launcher (world size 1 included: an in-memory store, no port,
+so two debug runs never collide) and always destroys it, on success and on error.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as tdist
+
+from .env import DistEnv, detect
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What every library function needs to know about this process; passed explicitly."""
+
+    env: DistEnv
+    device: torch.device
+    backend: str
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
+    """cuda:<local_rank> when CUDA is there (or asked for), else cpu."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if env.local_rank >= count:
+                raise UserError(
+                    f"local rank {env.local_rank} has no GPU: only {count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                    "launch at most one process per GPU (--nproc_per_node / --ntasks-per-node)", rank=env.rank)
+            return torch.device("cuda", env.local_rank)
+        if device == "cuda":
+            raise UserError("device=cuda was asked for but torch.cuda.is_available() is False",
+                            "run `python -m ddp_kit.doctor` to see why, or use --device cpu")
+        return torch.device("cpu")
+    raise UserError(f"unknown device {device!r}", "use auto, cpu or cuda")
+
+
+def choose_backend(device: torch.device, backend: str = "auto") -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("backend nccl needs CUDA devices but this run is on cpu", "use --backend gloo (or auto)")
+    return backend
+
+
+def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
+    """The rendezvous store for the default group, namespaced by restart attempt.
+
+    Under torchrun the agent shares its own rendezvous TCPStore with the workers. After a worker
+    group restart (--max-restarts) the restarted workers would read the previous attempt's gloo
+    addresses from it and hang (pytorch#135712). A per-attempt prefix gives each attempt fresh keys.
+    """
+    if env.world_size == 1:
+        return tdist.HashStore()
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.launcher == "torchrun"
+    store = tdist.TCPStore(
+        host_name=env.master_addr,
+        port=env.master_port,
+        world_size=env.world_size,
+        is_master=(env.rank == 0 and not agent_store),
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=not agent_store,
+    )
+    return tdist.PrefixStore(f"ddp_kit/attempt_{env.restart_count}/", store)
+
+
+@contextmanager
+def distributed(env: DistEnv | None = None, backend: str = "auto", device: str = "auto",
+                timeout_s: float = 600.0) -> Iterator[DistContext]:
+    """Set up this process's place in the job; tear it down on the way out, whatever happens."""
+    env = detect() if env is None else env
+    dev = choose_device(env, device)
+    be = choose_backend(dev, backend)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # before init, so NCCL never touches GPU 0 from every rank
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = _make_store(env, timeout)
+        kwargs: dict[str, Any] = {}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        tdist.init_process_group(be, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:  # rendezvous failures are user-fixable far more often than not
+        raise UserError(
+            f"could not join the process group at {env.master_addr}:{env.master_port} as rank {env.rank}/{env.world_size}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            "check that every rank can reach MASTER_ADDR:MASTER_PORT, or run `python -m ddp_kit.doctor`",
+            rank=env.rank) from exc
+    try:
+        yield DistContext(env=env, device=dev, backend=be)
+    finally:
+        teardown()
+
+
+def teardown() -> None:
+    """Destroy the default group. Collecting garbage first frees DDP's reducer before the group
+    goes, which avoids a SIGABRT at exit seen with some torch releases (pytorch#190489)."""
+    gc.collect()
+    if tdist.is_available() and tdist.is_initialized():
+        try:
+            tdist.destroy_process_group()
+        except Exception as exc:  # a broken group must not hide the error that broke it
+            print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
+
+
+# ---- small rank helpers; all take the context explicitly ------------------------------------------
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.world_size > 1:
+        if ctx.backend == "nccl":
+            tdist.barrier(device_ids=[ctx.device.index])
+        else:
+            tdist.barrier()
+
+
+def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
+    """Sum a few numbers over ranks, in float64 so counts stay exact."""
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    if ctx.world_size > 1:
+        tdist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
+    if ctx.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]

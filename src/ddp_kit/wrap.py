@@ -1,0 +1,90 @@
+"""Model wrapping: device placement, DDP (world size > 1 only), no_sync accumulation, AMP, SyncBN, compile."""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .dist import DistContext
+from .errors import UserError
+
+
+def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, compile: bool = False,
+               channels_last: bool = False, find_unused_parameters: bool = False) -> nn.Module:
+    """Move `model` to the context's device and wrap it in DDP when there is more than one rank."""
+    model = model.to(ctx.device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if sync_bn and ctx.world_size > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if ctx.world_size > 1:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        model = DDP(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+    if compile:
+        model = torch.compile(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's own module under any DDP / torch.compile wrappers."""
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def sync_gradients(model: nn.Module, sync: bool):
+    """Context for one micro-step: skip DDP's all-reduce unless `sync` (the last micro-step)."""
+    inner = unwrap_ddp(model)
+    if sync or inner is None:
+        return nullcontext()
+    return inner.no_sync()
+
+
+def unwrap_ddp(model: nn.Module) -> DDP | None:
+    while not isinstance(model, DDP):
+        if not hasattr(model, "_orig_mod"):
+            return None
+        model = model._orig_mod
+    return model
+
+
+def check_amp(amp: str, device: torch.device) -> None:
+    if amp == "fp16" and device.type != "cuda":
+        raise UserError("amp=fp16 needs a CUDA device (GradScaler); this run is on cpu", "use --amp bf16 or --amp off")
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"amp=bf16 but {torch.cuda.get_device_name(device)} has no bf16 support",
+                        "use --amp fp16 on this GPU")
+
+
+@contextmanager
+def autocast(amp: str, device: torch.device) -> Iterator[None]:
+    if amp == "off":
+        yield
+        return
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler that is active for fp16 only; for bf16 and fp32 it passes through."""
+    return torch.amp.GradScaler(device.type, enabled=(amp == "fp16"))
+
+
+def to_device(batch, device: torch.device):
+    """Copy a batch (tensor, or tuple/list/dict of them) to `device`; non-blocking from pinned memory."""
+    non_blocking = device.type == "cuda"
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,40 @@
+"""Run the reference job through the library API and write what each rank ended with.
+
+    python job.py OUT_DIR [--key value ...]     (plain, or under torchrun)
+
+Writes OUT_DIR/rank<R>.json (the summary as this rank sees it) and OUT_DIR/params_rank<R>.pt.
+"""
+import json
+import sys
+from pathlib import Path
+
+import fire
+import torch
+
+from ddp_kit.config import resolve
+from ddp_kit.env import detect
+from ddp_kit import train as train_mod
+
+
+def main(out_dir: str, **flags):
+    env = detect()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flags.setdefault("run_dir", str(out / "run"))
+    flags.setdefault("progress", False)
+    cfg = resolve(None, flags)
+    captured = {}
+    orig_finish = train_mod.finish
+
+    def finish(job, result, writer):
+        captured["params"] = {k: v.detach().cpu().clone() for k, v in train_mod.unwrap(job.model).state_dict().items()}
+        return orig_finish(job, result, writer)
+
+    train_mod.finish = finish
+    summary = train_mod.run(cfg, env)
+    (out / f"rank{env.rank}.json").write_text(json.dumps(summary))
+    torch.save(captured["params"], out / f"params_rank{env.rank}.pt")
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

@@ -1,0 +1,90 @@
+"""Sharding: disjoint per-rank shards covering each global batch, reshuffle per epoch, exact eval, resumable position."""
+import json
+import sys
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from conftest import HELPERS, ok, torchrun
+from ddp_kit.data import EvalSampler, TrainLoader, per_rank_batch
+from ddp_kit.errors import UserError
+
+
+def _epoch(loader):
+    return [[int(i) for i in b] for (b,) in loader]
+
+
+def _loaders(n, batch, world, accum=1, seed=0):
+    ds = TensorDataset(torch.arange(n))
+    return [TrainLoader(ds, global_batch=batch, world_size=world, rank=r, grad_accum=accum, seed=seed) for r in range(world)]
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_global_batches_do_not_depend_on_world_size(world, accum):
+    """Step k's union over ranks and micro-steps is the same set of samples on any world size."""
+    ref = [set(b) for b in _epoch(_loaders(103, 8, 1)[0])]
+    per_rank = [_epoch(ld) for ld in _loaders(103, 8, world, accum)]
+    steps = len(per_rank[0]) // accum
+    assert steps == len(ref) == 103 // 8
+    for k in range(steps):
+        got = [i for r in range(world) for mb in per_rank[r][k * accum:(k + 1) * accum] for i in mb]
+        assert len(got) == len(set(got)) == 8  # disjoint shards
+        assert set(got) == ref[k]
+
+
+def test_reshuffles_each_epoch_and_is_seeded():
+    ld = _loaders(64, 8, 1)[0]
+    e0, e1 = _epoch(ld), _epoch(ld)
+    assert e0 != e1 and sorted(sum(e0, [])) == sorted(sum(e1, [])) == list(range(64))
+    assert _epoch(_loaders(64, 8, 1, seed=0)[0]) == e0
+    assert _epoch(_loaders(64, 8, 1, seed=1)[0]) != e0
+
+
+def test_position_resumes_mid_epoch_on_other_world_size():
+    full = _loaders(100, 10, 2)
+    first = [_epoch(ld) for ld in full]
+    # Stop one rank-pair after 3 steps, carry the state to a 1-rank loader.
+    src = _loaders(100, 10, 2)
+    its = [iter(ld) for ld in src]
+    for _ in range(3):
+        for it in its:
+            next(it)
+    state = src[0].state_dict()
+    assert state["position"] == 30
+    dst = _loaders(100, 10, 1)[0]
+    assert dst.load_state_dict(state) is None
+    rest = _epoch(dst)
+    want = [sorted(first[0][k] + first[1][k]) for k in range(3, 10)]
+    assert [sorted(b) for b in rest] == want
+
+
+def test_position_that_cannot_continue_says_so():
+    ld = _loaders(100, 12, 1)[0]
+    note = ld.load_state_dict({"epoch": 1, "position": 30, "global_batch": 10, "seed": 0})
+    assert note and "restarting epoch 1" in note and ld.position == 0
+
+
+def test_eval_sampler_exact_on_uneven_sizes():
+    for n in (0, 1, 7, 10, 361):
+        for world in (1, 2, 3, 4):
+            seen = [i for r in range(world) for i in EvalSampler(n, world, r)]
+            assert sorted(seen) == list(range(n))
+
+
+def test_per_rank_batch_refuses_uneven():
+    assert per_rank_batch(64, 2, 2) == 16
+    with pytest.raises(UserError, match="does not divide"):
+        per_rank_batch(30, 4)
+
+
+@pytest.mark.slow
+def test_shards_with_two_real_processes(tmp_path):
+    ok(torchrun([str(HELPERS / "shards.py"), str(tmp_path), "101", "37", "10"]))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for e in range(2):
+        a, b = ranks[0]["epochs"][e], ranks[1]["epochs"][e]
+        assert not set(a) & set(b) and len(a) == len(b) == 50  # disjoint, 10 whole global batches of 10
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # reshuffled
+    ev = ranks[0]["eval"] + ranks[1]["eval"]
+    assert sorted(ev) == list(range(37)) and ranks[0]["eval_count"] == 37  # exact: no padded duplicates

@@ -1,0 +1,99 @@
+"""Launcher detection from plain dicts: every layout we support, and the inconsistent ones we refuse."""
+import pytest
+
+from ddp_kit.env import DistEnv, detect, expand_nodelist, slurm_port
+from ddp_kit.errors import UserError
+
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29400",
+            "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1"}
+SLURM_SRUN = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+              "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[01-03,07]",
+              "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NUM_NODES": "4"}
+
+
+def test_nothing_is_single_process():
+    assert detect({}) == DistEnv()
+    assert detect({}).world_size == 1 and detect({}).master_port is None
+
+
+def test_torchrun():
+    env = detect(TORCHRUN)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert (env.node_rank, env.num_nodes, env.master_addr, env.master_port) == (1, 2, "node1", 29400)
+    assert env.launcher == "torchrun" and env.restart_count == 1
+
+
+def test_slurm_one_task_per_gpu():
+    env = detect(SLURM_SRUN)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (5, 1, 8, 2, 1)
+    assert env.hosts == ("gpu01", "gpu02", "gpu03", "gpu07")
+    assert env.master_addr == "gpu01" and env.master_port == slurm_port("123456")
+    assert env.launcher == "slurm" and env.num_nodes == 4
+
+
+def test_slurm_port_is_stable_and_differs_between_jobs():
+    assert slurm_port("123456") == slurm_port("123456")
+    assert slurm_port("123456") != slurm_port("123457")
+    assert 1024 < slurm_port("99999999") < 65536
+
+
+def test_slurm_with_torchrun_inside_torchrun_wins():
+    env = detect({**SLURM_SRUN, **TORCHRUN})
+    assert env.launcher == "torchrun" and env.rank == 3 and env.world_size == 4
+
+
+def test_slurm_user_master_addr_wins():
+    env = detect({**SLURM_SRUN, "MASTER_ADDR": "ib-gpu01", "MASTER_PORT": "40000"})
+    assert env.master_addr == "ib-gpu01" and env.master_port == 40000
+
+
+def test_slurm_uneven_tasks_per_node():
+    env = detect({**SLURM_SRUN, "SLURM_TASKS_PER_NODE": "3,2(x2)", "SLURM_NODEID": "2", "SLURM_NTASKS": "7", "SLURM_PROCID": "6"})
+    assert env.local_world_size == 2
+
+
+def test_slurm_batch_script_with_one_task_is_single():
+    env = detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"})
+    assert env.world_size == 1 and env.launcher == "single" and env.job_id == "7"
+
+
+def test_slurm_many_tasks_without_srun_is_refused_with_hint():
+    with pytest.raises(UserError) as e:
+        detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]"})
+    assert "srun" in e.value.hint
+
+
+def test_partial_torchrun_vars_refused():
+    with pytest.raises(UserError):
+        detect({"WORLD_SIZE": "2"})
+    with pytest.raises(UserError):
+        detect({"RANK": "0", "LOCAL_RANK": "0"})  # no WORLD_SIZE
+
+
+def test_rank_outside_world_refused():
+    with pytest.raises(UserError) as e:
+        detect({**TORCHRUN, "RANK": "4"})
+    assert "outside world size" in e.value.message
+
+
+def test_env_vars_by_hand():
+    env = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"})
+    assert env.launcher == "env" and env.rank == 1 and env.master_port == 1234
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("node1", ["node1"]),
+    ("a[1-2],b5,c[09-11]", ["a1", "a2", "b5", "c09", "c10", "c11"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("x[7]", ["x7"]),
+])
+def test_expand_nodelist(text, hosts):
+    assert expand_nodelist(text) == hosts
+
+
+def test_detect_does_not_write_environment():
+    environ = dict(SLURM_SRUN)
+    detect(environ)
+    assert environ == SLURM_SRUN
