@@ -52,16 +52,26 @@ class TrainConfig:
     synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")
+    ckpt_every: int = _f(100, "Optimizer steps between checkpoints (0: only the final one). Checkpoints go to run_dir/checkpoints.")
+    keep_last: int = _f(3, "Checkpoints kept; older ones are deleted after a newer one is committed (0: keep all).")
+    resume: str = _f("auto", "auto: continue from the newest valid checkpoint in run_dir; never: start fresh; or a checkpoint folder path.")
+    async_ckpt: bool = _f(False, "Copy the state to CPU memory and write the checkpoint in a background thread.")
+    inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/faults.py).")
+    debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        """A short, stable hash of the resolved config: ranks and checkpoints compare it."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """A short, stable hash of the recipe: ranks and checkpoints compare it. Keys that do not
+        change the computation (logging, resume mode, test hooks) are left out."""
+        recipe = {k: v for k, v in self.to_dict().items() if k not in NOT_RECIPE}
+        blob = json.dumps(recipe, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
+                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
@@ -167,6 +177,13 @@ def _validate(cfg: TrainConfig) -> None:
         raise UserError(f"max_steps must be at least 1 or None; got {cfg.max_steps}", "drop --max_steps to run all epochs")
     if cfg.lr <= 0:
         raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
+    for key in ("ckpt_every", "keep_last"):
+        if getattr(cfg, key) < 0:
+            raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
+    if cfg.inject:
+        from .faults import parse
+
+        parse(cfg.inject)
     if cfg.num_workers < 0:
         raise UserError(f"num_workers must be >= 0; got {cfg.num_workers}", "e.g. --num_workers 2")
 

@@ -17,10 +17,12 @@ from torch import nn
 
 from . import __version__
 from .config import TrainConfig, help_text, resolve
+from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .data import TrainLoader, build_dataset, eval_loader, per_rank_batch
 from .dist import DistContext, all_reduce_sum, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
+from .faults import Injector, parse as parse_faults
 from .models import build_model
 from .outputs import RunWriter
 from .sync import disagreeing_ranks, param_sha256
@@ -40,7 +42,11 @@ class Job:
     train_loader: TrainLoader
     test_loader: torch.utils.data.DataLoader
     total_steps: int
+    ckpt: Checkpointer
+    faults: Injector
     step: int = 0
+    saved_step: int = -1
+    resumed_from: int | None = None
 
 
 def build(cfg: TrainConfig, ctx: DistContext) -> Job:
@@ -61,7 +67,60 @@ def build(cfg: TrainConfig, ctx: DistContext) -> Job:
     total = cfg.epochs * train_loader.steps_per_epoch
     total = min(total, cfg.max_steps) if cfg.max_steps else total
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(cfg.lr_schedule, total))
-    return Job(cfg, ctx, model, optimizer, scheduler, grad_scaler(cfg.amp, ctx.device), train_loader, test_loader, total)
+    ckpt = Checkpointer(ctx, f"{cfg.run_dir}/checkpoints", keep_last=cfg.keep_last, async_save=cfg.async_ckpt,
+                        timeout_s=cfg.init_timeout_s, write_delay_s=cfg.debug_ckpt_delay_s)
+    faults = Injector(parse_faults(cfg.inject), ctx.rank, armed=ctx.env.restart_count == 0)
+    return Job(cfg, ctx, model, optimizer, scheduler, grad_scaler(cfg.amp, ctx.device), train_loader, test_loader,
+               total, ckpt, faults)
+
+
+# ---- checkpoint state: what the loop is, as plain dicts ----------------------------------------------
+
+def save_checkpoint(job: Job) -> None:
+    if job.saved_step == job.step:
+        return
+    shared = {"model": unwrap(job.model).state_dict(), "optimizer": job.optimizer.state_dict(),
+              "scheduler": job.scheduler.state_dict(), "scaler": job.scaler.state_dict(),
+              "loop": {"step": job.step}, "data": job.train_loader.state_dict()}
+    meta = {"config": job.cfg.to_dict(), "config_hash": job.cfg.hash(), "ddp_kit": __version__,
+            "torch": torch.__version__, "epoch": job.train_loader.epoch, "position": job.train_loader.position}
+    job.ckpt.save(job.step, shared, {"rng": rng_state()}, meta)
+    job.saved_step = job.step
+
+
+def resume(job: Job, say) -> None:
+    """Continue from the checkpoint `cfg.resume` names (auto: the newest valid one), if any."""
+    cfg, ctx = job.cfg, job.ctx
+    found = job.ckpt.find(cfg.resume, warn=lambda msg: say(f"ddp_kit: warning: {msg}"))
+    if found is None:
+        return
+    shared, own, meta = job.ckpt.load(found)
+    try:
+        unwrap(job.model).load_state_dict(shared["model"])
+        job.optimizer.load_state_dict(shared["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise UserError(f"checkpoint {found.path} does not fit this model/optimizer ({str(exc).splitlines()[0][:160]})",
+                        "use a new --run_dir, or --resume never to start over in this one") from None
+    job.scheduler.load_state_dict(shared["scheduler"])
+    job.scaler.load_state_dict(shared["scaler"])
+    job.step = job.saved_step = int(shared["loop"]["step"])
+    job.resumed_from = job.step
+    job.faults = Injector((), ctx.rank, armed=False)  # a resumed run is the recovery, not the fault
+    note = job.train_loader.load_state_dict(shared["data"])
+    if own is not None and meta.get("world_size") == ctx.world_size:
+        set_rng_state(own["rng"])
+    else:
+        torch.manual_seed(cfg.seed + ctx.rank + 1_000_003 * job.step)
+    extra = []
+    if meta.get("world_size") != ctx.world_size:
+        extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {ctx.world_size}: "
+                     f"data order continues, per-rank RNG streams are reseeded")
+    if meta.get("config_hash") != cfg.hash():
+        extra.append("its config differs from this run's (see its meta.json)")
+    say(f"ddp_kit: resumed from {found.path} (step {job.step}, epoch {job.train_loader.epoch})"
+        + ("; " + "; ".join(extra) if extra else ""))
+    if note:
+        say(f"ddp_kit: warning: {note}")
 
 
 def _schedule(kind: str, total: int):
@@ -126,8 +185,12 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
             window_n += 1
             micro = []
             job.step += 1
+            if job.faults:
+                job.faults.at_step(job.step, unwrap(job.model))
             if bar:
                 bar.update(1)
+            if cfg.ckpt_every and job.step % cfg.ckpt_every == 0:
+                save_checkpoint(job)
             if job.step % cfg.log_every == 0 or job.step == job.total_steps:
                 now = time.perf_counter()
                 (loss,) = all_reduce_sum(ctx, [window_loss / max(window_n, 1)])
@@ -187,7 +250,8 @@ def finish(job: Job, result: dict[str, Any], writer: RunWriter) -> dict[str, Any
     summary = {"world_size": ctx.world_size, "steps": job.step, "epochs": job.train_loader.epoch,
                "train_loss": result.pop("train_loss_last_window"), **result, "param_sha256": digest,
                "param_sha256_all_ranks_equal": True, "config_hash": job.cfg.hash(),
-               "ddp_kit": __version__, "torch": torch.__version__, "backend": ctx.backend, "device": str(ctx.device)}
+               "ddp_kit": __version__, "torch": torch.__version__, "backend": ctx.backend, "device": str(ctx.device),
+               "resumed_from_step": job.resumed_from}
     writer.write_summary(summary)
     return summary
 
@@ -205,7 +269,13 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
                 print(f"ddp_kit: {cfg.model} on {cfg.dataset}, {ctx.world_size} rank(s) ({ctx.backend}, {ctx.device}), "
                       f"global batch {cfg.batch_size} = {ctx.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
                       f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}", flush=True)
-            summary = finish(job, train(job, writer), writer)
+            resume(job, _printer(ctx))
+            try:
+                result = train(job, writer)
+                save_checkpoint(job)  # the final one; returns at once if this step is already saved
+            finally:
+                job.ckpt.wait()  # never leave with an async save half-written
+            summary = finish(job, result, writer)
             if ctx.is_main:
                 print(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f} on "
                       f"{summary['eval_samples']} samples, {summary['wall_s']:.1f}s, param_sha256 {summary['param_sha256'][:16]}",

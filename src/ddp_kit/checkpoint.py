@@ -1,0 +1,309 @@
+"""Rank-aware checkpoints: atomic commit, validation by manifest, resume from the newest valid one.
+
+Layout under `ckpt_root` (usually run_dir/checkpoints):
+
+    step_<N>/model.pt        rank 0: the unwrapped model's state_dict (exportable as is)
+    step_<N>/train_state.pt  rank 0: optimizer, scheduler, scaler, loop and data position
+    step_<N>/rank<R>.pt      every rank: its RNG states
+    step_<N>/meta.json       rank 0: step, world size, config and its hash, versions
+    step_<N>/manifest.json   rank 0, written last: every file's size and sha256
+    latest                   the name of the newest committed step_<N>
+
+Commit protocol: every rank writes into `.tmp_step_<N>/` and fsyncs; each rank posts its files'
+checksums to the rendezvous store (thread-safe, so an async save never issues a collective that
+could interleave with the training loop's); rank 0 waits for all of them, writes the manifest,
+renames the folder into place, fsyncs, and updates `latest` last. Only a folder whose manifest
+exists and matches its files counts as a checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from .dist import DistContext, broadcast_object
+from .errors import UserError
+
+MANIFEST = "manifest.json"
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only stream that checksums what passes through it, so no second read is needed."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        return self.f.write(b)
+
+
+def _write(path: Path, obj: Any, delay_s: float = 0.0) -> dict:
+    """torch.save `obj` (or dump JSON for dicts destined to .json) durably; return {size, sha256}."""
+    with open(path, "wb") as raw:
+        w = _HashingWriter(raw)
+        if path.suffix == ".json":
+            w.write(json.dumps(obj, indent=1, sort_keys=True).encode())
+        else:
+            torch.save(obj, w)
+        if delay_s:
+            time.sleep(delay_s)  # test hook: make the window for a kill-during-save wide
+        raw.flush()
+        os.fsync(raw.fileno())
+    return {"size": w.size, "sha256": w.sha.hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _store() -> tdist.Store | None:
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.distributed_c10d._get_default_store()
+    return None
+
+
+def snapshot(obj: Any) -> Any:
+    """A CPU copy of every tensor in a nested state, so training can go on while it is written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+@dataclass(frozen=True)
+class Found:
+    path: Path
+    step: int
+
+
+class Checkpointer:
+    """Saves and finds checkpoints for one run. `async_save=True` writes in a background thread."""
+
+    def __init__(self, ctx: DistContext, ckpt_root: str | Path, keep_last: int = 3, async_save: bool = False,
+                 timeout_s: float = 600.0, write_delay_s: float = 0.0):
+        self.ctx, self.root = ctx, Path(ckpt_root)
+        self.keep_last, self.async_save, self.timeout_s = keep_last, async_save, timeout_s
+        self.write_delay_s = write_delay_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocking_s = 0.0
+
+    # ---- saving -----------------------------------------------------------------------------------
+
+    def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Write checkpoint `step`. `shared` is identical on every rank (rank 0 writes it; key "model"
+        goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
+        copied to CPU when async."""
+        t0 = time.perf_counter()
+        self.wait()  # a second save waits for the first
+        if self.async_save:
+            shared, per_rank = (snapshot(shared) if self.ctx.is_main else {}), snapshot(per_rank)
+            self._thread = threading.Thread(target=self._run_async, args=(step, shared, per_rank, meta),
+                                            name=f"ddp_kit-ckpt-{step}", daemon=False)
+            self._thread.start()
+        else:
+            self._commit(step, shared, per_rank, meta)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def _run_async(self, *args) -> None:
+        try:
+            self._commit(*args)
+        except BaseException as exc:  # surfaced by wait() on the training thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until a pending async save is committed; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict) -> None:
+        rank, world = self.ctx.rank, self.ctx.world_size
+        name = f"step_{step}"
+        tmp = self.root / f".tmp_{name}"
+        store = _store()
+        key = f"ddp_kit/ckpt/{name}"
+        if self.ctx.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
+            tmp.mkdir(parents=True)
+            store.set(f"{key}/ready", "1") if store else None
+        elif store:
+            store.wait([f"{key}/ready"], _td(self.timeout_s))
+        files: dict[str, dict] = {}
+        files[f"rank{rank}.pt"] = _write(tmp / f"rank{rank}.pt", per_rank, self.write_delay_s)
+        if self.ctx.is_main:
+            files["model.pt"] = _write(tmp / "model.pt", shared["model"], self.write_delay_s)
+            files["train_state.pt"] = _write(tmp / "train_state.pt", {k: v for k, v in shared.items() if k != "model"})
+            files["meta.json"] = _write(tmp / "meta.json", {**meta, "step": step, "world_size": world})
+        if store and world > 1:
+            store.set(f"{key}/files/{rank}", json.dumps(files))
+        if self.ctx.is_main:
+            for r in range(1, world):
+                store.wait([f"{key}/files/{r}"], _td(self.timeout_s))
+                files.update(json.loads(store.get(f"{key}/files/{r}")))
+            _write(tmp / MANIFEST, {"step": step, "world_size": world, "files": files})
+            _fsync_dir(tmp)
+            final = self.root / name
+            if final.exists():  # same step again (after a resume from an older one): replace it
+                trash = self.root / f".old_{name}"
+                shutil.rmtree(trash, ignore_errors=True)
+                os.replace(final, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            latest_tmp = self.root / ".latest.tmp"
+            latest_tmp.write_text(name + "\n")
+            os.replace(latest_tmp, self.root / "latest")
+            _fsync_dir(self.root)
+            self._retain(step)
+            if store:
+                store.set(f"{key}/committed", "1")
+        elif store:
+            store.wait([f"{key}/committed"], _td(self.timeout_s))
+
+    def _retain(self, newest: int) -> None:
+        if self.keep_last < 1:
+            return
+        steps = sorted((s for s in _steps(self.root) if s <= newest), reverse=True)
+        for s in steps[self.keep_last:]:
+            shutil.rmtree(self.root / f"step_{s}", ignore_errors=True)
+
+    # ---- finding and loading -------------------------------------------------------------------------
+
+    def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
+        """Rank 0 picks the checkpoint to resume from (auto: newest valid); every rank gets its choice."""
+        choice = None
+        if self.ctx.is_main:
+            try:
+                choice = ("ok", _choose(self.root, resume, warn))
+            except UserError as err:
+                choice = ("error", (err.message, err.hint))
+        kind, value = broadcast_object(self.ctx, choice)
+        if kind == "error":
+            raise UserError(*value)
+        return Found(Path(value[0]), value[1]) if value else None
+
+    def load(self, found: Found) -> tuple[dict, dict | None, dict]:
+        """(shared state, this rank's per-rank state or None, meta), tensors mapped to this rank's device."""
+        dev = self.ctx.device
+        shared = torch.load(found.path / "train_state.pt", map_location=dev, weights_only=True)
+        shared["model"] = torch.load(found.path / "model.pt", map_location=dev, weights_only=True)
+        own = found.path / f"rank{self.ctx.rank}.pt"
+        per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
+        meta = json.loads((found.path / "meta.json").read_text())
+        return shared, per_rank, meta
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def _steps(root: Path) -> list[int]:
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
+            out.append(int(p.name[5:]))
+    return out
+
+
+def validate(path: Path) -> str | None:
+    """None when `path` is a complete checkpoint; otherwise the reason it is not, in a few words."""
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        return "no manifest (save did not finish)"
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError):
+        return "unreadable manifest"
+    for name, want in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} is truncated ({f.stat().st_size} of {want['size']} bytes)"
+        sha = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                sha.update(chunk)
+        if sha.hexdigest() != want["sha256"]:
+            return f"{name} is corrupt (checksum mismatch)"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path, str | None]]:
+    """(step, path, reason-if-invalid) for every step folder, newest first."""
+    return [(s, root / f"step_{s}", validate(root / f"step_{s}")) for s in sorted(_steps(root), reverse=True)]
+
+
+def _choose(root: Path, resume: str, warn: Callable[[str], None]) -> tuple[str, int] | None:
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        reason = validate(path)
+        if reason:
+            raise UserError(f"checkpoint {str(path)!r} cannot be resumed: {reason}",
+                            "pick a valid one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
+        meta = json.loads((path / "meta.json").read_text())
+        return str(path), int(meta["step"])
+    for step, path, reason in list_checkpoints(root):
+        if reason is None:
+            return str(path), step
+        warn(f"checkpoint {path.name} is not usable ({reason}); falling back to an older one")
+    return None
+
+
+if __name__ == "__main__":  # python -m ddp_kit.checkpoint list|export ...
+    from .ckpt_cli import main
+
+    main()
