@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from .data import TrainLoader, eval_loader
 from .dist import DistContext, all_reduce_sum, barrier, distributed
 from .env import DistEnv
+from .sync import main_only
 from .wrap import sync_gradients, unwrap, wrap_model
 
 
@@ -74,6 +75,10 @@ class Run:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap(model)
+
+    def main_only(self):
+        """`with run.main_only() as main: if main: ...`: rank-0-only code in which collectives raise at once."""
+        return main_only(self.ctx)
 
     def print(self, *args, **kwargs) -> None:
         if self.is_main:

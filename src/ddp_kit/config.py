@@ -56,6 +56,10 @@ class TrainConfig:
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted after a newer one is committed (0: keep all).")
     resume: str = _f("auto", "auto: continue from the newest valid checkpoint in run_dir; never: start fresh; or a checkpoint folder path.")
     async_ckpt: bool = _f(False, "Copy the state to CPU memory and write the checkpoint in a background thread.")
+    sync_check_every: int = _f(100, "Optimizer steps between cross-rank parameter/buffer checksum comparisons (0: off).")
+    sync_fix: str = _f("error", "On divergence: error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("error", "broadcast"))
+    collective_timeout_s: float = _f(300.0, "Timeout of every collective after the first step (set behind a barrier).")
+    hang_timeout_s: float = _f(180.0, "No progress on a rank for this long: dump stacks to run_dir/hang, report the lagging rank, exit (0: off).")
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/faults.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
@@ -71,7 +75,8 @@ class TrainConfig:
 
 
 NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
-                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s"})
+                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
+                        "collective_timeout_s", "hang_timeout_s"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
@@ -177,7 +182,7 @@ def _validate(cfg: TrainConfig) -> None:
         raise UserError(f"max_steps must be at least 1 or None; got {cfg.max_steps}", "drop --max_steps to run all epochs")
     if cfg.lr <= 0:
         raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
-    for key in ("ckpt_every", "keep_last"):
+    for key in ("ckpt_every", "keep_last", "sync_check_every"):
         if getattr(cfg, key) < 0:
             raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
     if cfg.inject:

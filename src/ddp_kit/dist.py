@@ -97,11 +97,16 @@ def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
 
 @contextmanager
 def distributed(env: DistEnv | None = None, backend: str = "auto", device: str = "auto",
-                timeout_s: float = 600.0) -> Iterator[DistContext]:
-    """Set up this process's place in the job; tear it down on the way out, whatever happens."""
+                timeout_s: float = 600.0, dump_dir: str | None = None) -> Iterator[DistContext]:
+    """Set up this process's place in the job; tear it down on the way out, whatever happens.
+
+    `dump_dir`: where NCCL's flight recorder writes its trace when a collective times out.
+    """
     env = detect() if env is None else env
     dev = choose_device(env, device)
     be = choose_backend(dev, backend)
+    if be == "nccl":
+        nccl_defaults(dump_dir)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # before init, so NCCL never touches GPU 0 from every rank
     timeout = timedelta(seconds=timeout_s)
@@ -124,6 +129,20 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         teardown()
 
 
+def nccl_defaults(dump_dir: str | None) -> None:
+    """Async error handling and the flight recorder on by default (a user's own setting wins).
+
+    These are read by the NCCL process group of this process when it is created, so they are set
+    in our own environment just before init; nothing else here writes the environment."""
+    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "nccl_trace_rank_")
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
 def teardown() -> None:
     """Destroy the default group. Collecting garbage first frees DDP's reducer before the group
     goes, which avoids a SIGABRT at exit seen with some torch releases (pytorch#190489)."""
@@ -133,6 +152,13 @@ def teardown() -> None:
             tdist.destroy_process_group()
         except Exception as exc:  # a broken group must not hide the error that broke it
             print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
+
+
+def set_collective_timeout(ctx: DistContext, seconds: float) -> None:
+    """Change the default group's timeout for every later collective (e.g. shorter after startup)."""
+    if ctx.world_size > 1 and seconds > 0:
+        setter = getattr(tdist, "set_timeout", None) or tdist.distributed_c10d._set_pg_timeout
+        setter(timedelta(seconds=seconds))
 
 
 # ---- small rank helpers; all take the context explicitly ------------------------------------------

@@ -2,7 +2,8 @@
 
 Spec (config key `inject`), comma-separated: `KIND:rank=R:step=S[:ms=M]`, e.g. `kill:rank=1:step=8`.
 Kinds: kill (SIGKILL itself), raise, hang (sleep forever), extra_collective (one all_reduce the
-others never join), perturb (add noise to its parameters), slow (sleep M ms every step from S on).
+others never join), perturb (add noise to its parameters), slow (sleep M ms every step from S on),
+config (that rank runs with another seed, as if it had loaded a different config file).
 Faults fire only in a run that started from scratch on the first attempt, so a restarted or
 resumed run can show that it recovers.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
-KINDS = ("kill", "raise", "hang", "extra_collective", "perturb", "slow")
+KINDS = ("kill", "raise", "hang", "extra_collective", "perturb", "slow", "config")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,20 @@
-"""Cross-rank agreement: fingerprints of parameters, and checks that every rank holds the same ones."""
+"""Cross-rank agreement: startup facts, periodic parameter checksums, and the main_only() guard.
+
+Every check gathers the same data on every rank, so every rank reaches the same verdict and
+stops together; rank 0 prints the one message.
+"""
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from .dist import DistContext, all_gather_object
+from .errors import UserError
 
 
 def param_sha256(model: nn.Module) -> str:
@@ -22,3 +30,116 @@ def disagreeing_ranks(ctx: DistContext, value) -> dict[int, object]:
     """Gather `value` from every rank; return {rank: value} for the ranks that differ from rank 0 (empty if all agree)."""
     values = all_gather_object(ctx, value)
     return {r: v for r, v in enumerate(values) if v != values[0]}
+
+
+# ---- startup agreement ---------------------------------------------------------------------------
+
+def shapes_digest(model: nn.Module) -> str:
+    """A short digest of every parameter's name, shape and dtype."""
+    blob = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_agreement(ctx: DistContext, facts: dict[str, Any], details: dict[str, dict] | None = None) -> None:
+    """Stop every rank, with one message, unless all ranks hold the same `facts`.
+
+    `details` maps a fact name to a dict whose differing entries explain the fact (e.g. the config
+    itself behind its hash); only the entries that differ are printed.
+    """
+    gathered = all_gather_object(ctx, {"facts": facts, "details": details or {}})
+    ref = gathered[0]
+    problems = []
+    for rank, got in enumerate(gathered[1:], start=1):
+        for key, value in got["facts"].items():
+            if value == ref["facts"].get(key):
+                continue
+            mine, theirs = got["details"].get(key), ref["details"].get(key)
+            if isinstance(mine, dict) and isinstance(theirs, dict):
+                diff = [f"{k}={mine.get(k)!r} (rank 0: {theirs.get(k)!r})" for k in sorted(set(mine) | set(theirs))
+                        if mine.get(k) != theirs.get(k)]
+                problems.append(f"rank {rank} {key}: {', '.join(diff[:4])}")
+            else:
+                problems.append(f"rank {rank} {key}={value!r} (rank 0: {ref['facts'].get(key)!r})")
+    if problems:
+        raise UserError(f"ranks disagree at startup, before step 1: {'; '.join(problems[:6])}",
+                        "start every rank with the same config, code, library versions and data")
+
+
+# ---- periodic consistency -----------------------------------------------------------------------
+
+def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+    return named
+
+
+def checksums(model: nn.Module) -> torch.Tensor:
+    """Per tensor: (sum, sum of |x|) in float64. Cheap, and bit-sensitive enough to catch drift."""
+    rows = [torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]) for _, t in _state_tensors(model)]
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = "error") -> str | None:
+    """Compare parameter/buffer checksums across ranks. On divergence: raise (fix='error') or
+    re-broadcast rank 0's values (fix='broadcast') and return a warning line."""
+    if ctx.world_size == 1:
+        return None
+    mine = checksums(model).to(ctx.device if ctx.backend == "nccl" else "cpu")
+    allsums = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    tdist.all_gather(allsums, mine)
+    names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in _state_tensors(model)]
+    bad: dict[int, list[str]] = {}
+    for rank in range(1, ctx.world_size):
+        rows = (allsums[rank] != allsums[0]).any(dim=1).nonzero().flatten().tolist()
+        if rows:
+            bad[rank] = [names[i] for i in rows]
+    if not bad:
+        return None
+    where = "; ".join(f"rank {r}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for r, ns in bad.items())
+    if fix == "broadcast":
+        with torch.no_grad():
+            for _, t in _state_tensors(model):
+                tdist.broadcast(t.data, src=0)
+        return f"parameters diverged from rank 0 at step {step} ({where}); re-broadcast from rank 0"
+    raise UserError(f"parameters diverged across ranks at step {step} (sync check): {where}",
+                    "a rank updated its weights differently (non-deterministic code on one rank, a skipped step, "
+                    "unsynced BatchNorm buffers: try --sync_bn true); --sync_fix broadcast repairs it instead")
+
+
+# ---- main_only guard ------------------------------------------------------------------------------
+
+_COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
+                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "monitored_barrier")
+
+
+class CollectiveInMainOnly(RuntimeError):
+    pass
+
+
+@contextmanager
+def main_only(ctx: DistContext) -> Iterator[bool]:
+    """`with main_only(ctx) as main: if main: ...` runs rank-0-only code in which any collective
+    raises at once instead of leaving the other ranks waiting until the timeout.
+
+    Guards calls made through `torch.distributed.<name>` (and ddp_kit's helpers); C++ internals
+    such as DDP's reducer are not covered.
+    """
+    if not ctx.is_main or ctx.world_size == 1:
+        yield ctx.is_main
+        return
+    saved = {name: getattr(tdist, name) for name in _COLLECTIVES if hasattr(tdist, name)}
+
+    def refuse(name):
+        def _raise(*args, **kwargs):
+            raise CollectiveInMainOnly(
+                f"torch.distributed.{name} called inside main_only() on rank {ctx.rank}: the other ranks skip this "
+                f"block and would wait forever; move the collective out of main_only() or run it on every rank")
+        return _raise
+
+    for name in saved:
+        setattr(tdist, name, refuse(name))
+    try:
+        yield True
+    finally:
+        for name, fn in saved.items():
+            setattr(tdist, name, fn)

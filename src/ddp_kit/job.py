@@ -1,0 +1,129 @@
+"""The reference job's parts and their persistence: build them from a config, save and restore them.
+
+A Job is the training state the loop touches. `save_checkpoint` and `resume` turn it into the
+plain dicts `checkpoint.py` writes, and back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import __version__
+from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .config import TrainConfig
+from .data import TrainLoader, build_dataset, eval_loader
+from .dist import DistContext
+from .errors import UserError
+from .faults import Injector, parse as parse_faults
+from .models import build_model
+from .watchdog import Progress
+from .wrap import check_amp, grad_scaler, unwrap, wrap_model
+
+
+@dataclass
+class Job:
+    """Everything the loop touches; built once by `build()`."""
+
+    cfg: TrainConfig
+    ctx: DistContext
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    train_loader: TrainLoader
+    test_loader: torch.utils.data.DataLoader
+    total_steps: int
+    ckpt: Checkpointer
+    faults: Injector
+    step: int = 0
+    saved_step: int = -1
+    resumed_from: int | None = None
+    progress: Progress = field(default_factory=Progress)
+
+
+def build(cfg: TrainConfig, ctx: DistContext, progress: Progress | None = None) -> Job:
+    check_amp(cfg.amp, ctx.device)
+    torch.manual_seed(cfg.seed + ctx.rank)  # per-rank stream for augmentation; weights use their own seed
+    spec = build_dataset(cfg.dataset, cfg.data_root, cfg.download, cfg.seed, cfg.synthetic_size)
+    pin = ctx.device.type == "cuda"
+    train_loader = TrainLoader(spec.train, global_batch=cfg.batch_size, world_size=ctx.world_size, rank=ctx.rank,
+                               grad_accum=cfg.grad_accum, seed=cfg.seed, num_workers=cfg.num_workers, pin_memory=pin)
+    test_loader = eval_loader(spec.test, batch_size=max(train_loader.micro_batch, 256), world_size=ctx.world_size,
+                              rank=ctx.rank, num_workers=cfg.num_workers, pin_memory=pin)
+    model = build_model(cfg.model, spec.input_shape, spec.num_classes, seed=cfg.seed)
+    model = wrap_model(model, ctx, sync_bn=cfg.sync_bn, compile=cfg.compile, channels_last=cfg.channels_last)
+    if cfg.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total = cfg.epochs * train_loader.steps_per_epoch
+    total = min(total, cfg.max_steps) if cfg.max_steps else total
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(cfg.lr_schedule, total))
+    ckpt = Checkpointer(ctx, f"{cfg.run_dir}/checkpoints", keep_last=cfg.keep_last, async_save=cfg.async_ckpt,
+                        timeout_s=cfg.init_timeout_s, write_delay_s=cfg.debug_ckpt_delay_s)
+    faults = Injector(parse_faults(cfg.inject), ctx.rank, armed=ctx.env.restart_count == 0)
+    return Job(cfg, ctx, model, optimizer, scheduler, grad_scaler(cfg.amp, ctx.device), train_loader, test_loader,
+               total, ckpt, faults, progress=progress or Progress())
+
+
+# ---- checkpoint state: what the loop is, as plain dicts ----------------------------------------------
+
+def save_checkpoint(job: Job) -> None:
+    if job.saved_step == job.step:
+        return
+    shared = {"model": unwrap(job.model).state_dict(), "optimizer": job.optimizer.state_dict(),
+              "scheduler": job.scheduler.state_dict(), "scaler": job.scaler.state_dict(),
+              "loop": {"step": job.step}, "data": job.train_loader.state_dict()}
+    meta = {"config": job.cfg.to_dict(), "config_hash": job.cfg.hash(), "ddp_kit": __version__,
+            "torch": torch.__version__, "epoch": job.train_loader.epoch, "position": job.train_loader.position}
+    phase = job.progress.phase
+    job.progress.enter("checkpoint")
+    job.ckpt.save(job.step, shared, {"rng": rng_state()}, meta)
+    job.progress.enter(phase)
+    job.saved_step = job.step
+
+
+def resume(job: Job, say) -> None:
+    """Continue from the checkpoint `cfg.resume` names (auto: the newest valid one), if any."""
+    cfg, ctx = job.cfg, job.ctx
+    found = job.ckpt.find(cfg.resume, warn=lambda msg: say(f"ddp_kit: warning: {msg}"))
+    if found is None:
+        return
+    shared, own, meta = job.ckpt.load(found)
+    try:
+        unwrap(job.model).load_state_dict(shared["model"])
+        job.optimizer.load_state_dict(shared["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise UserError(f"checkpoint {found.path} does not fit this model/optimizer ({str(exc).splitlines()[0][:160]})",
+                        "use a new --run_dir, or --resume never to start over in this one") from None
+    job.scheduler.load_state_dict(shared["scheduler"])
+    job.scaler.load_state_dict(shared["scaler"])
+    job.step = job.saved_step = int(shared["loop"]["step"])
+    job.resumed_from = job.step
+    job.faults = Injector((), ctx.rank, armed=False)  # a resumed run is the recovery, not the fault
+    note = job.train_loader.load_state_dict(shared["data"])
+    if own is not None and meta.get("world_size") == ctx.world_size:
+        set_rng_state(own["rng"])
+    else:
+        torch.manual_seed(cfg.seed + ctx.rank + 1_000_003 * job.step)
+    extra = []
+    if meta.get("world_size") != ctx.world_size:
+        extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {ctx.world_size}: "
+                     f"data order continues, per-rank RNG streams are reseeded")
+    if meta.get("config_hash") != cfg.hash():
+        extra.append("its config differs from this run's (see its meta.json)")
+    say(f"ddp_kit: resumed from {found.path} (step {job.step}, epoch {job.train_loader.epoch})"
+        + ("; " + "; ".join(extra) if extra else ""))
+    if note:
+        say(f"ddp_kit: warning: {note}")
+
+
+def _schedule(kind: str, total: int):
+    if kind == "constant":
+        return lambda step: 1.0
+    return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+

@@ -1,0 +1,341 @@
+"""Hang and failure diagnosis: per-rank progress, a watchdog thread, and fail-fast across ranks.
+
+The training loop only sets two attributes per phase (`progress.enter(...)`); a thread per rank
+publishes them to the rendezvous store once a second. The store lives outside the process group
+(in torchrun's agent, or a C++ thread of rank 0), so it still answers while a collective hangs.
+
+- No progress for `hang_timeout` s: every rank dumps its Python stacks to run_dir/hang/rank<R>.txt;
+  rank 0 prints one report naming the lagging rank(s) and where each rank waits; all exit 3.
+- A rank raises: it posts its error to the store; the others print one line saying which rank
+  failed, and exit 1 (torchrun often tears them down even sooner).
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as tdist
+
+EXIT_HANG = 3
+EXIT_PEER_FAILED = 1
+_FAILED, _ABORT = "ddp_kit/failed", "ddp_kit/abort"
+
+# Phases in the order a step goes through them: progress compares (step, phase index).
+PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "log all-reduce", "sync check",
+          "checkpoint", "eval", "finish")
+# Phases that may legitimately take long; they get the init timeout instead of hang_timeout.
+SLOW_PHASES = frozenset({"startup", "checkpoint", "eval", "finish"})
+_PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
+
+
+_PROGRESS_FMT = "<qB"  # step, phase index: mirrored into a small mmap'd file that outlives a crash
+
+
+@dataclass
+class Progress:
+    """What this rank is doing; written by the training thread, read by the watchdog.
+
+    With `mirror(path)`, every change is also written (a memory store, no syscall) into a tiny
+    memory-mapped file, so a rank that dies by a fatal signal still leaves its last step and phase.
+    """
+
+    step: int = 0
+    phase: str = "startup"
+    since: float = field(default_factory=time.monotonic)
+    _map: mmap.mmap | None = None
+    _path: str = ""
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self.since = time.monotonic()
+        if self._map is not None:
+            struct.pack_into(_PROGRESS_FMT, self._map, 0, self.step, _PHASE_INDEX.get(phase, 255))
+
+    def mirror(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._path = str(path)
+        with open(path, "wb+") as f:
+            f.write(b"\0" * 16)
+            f.flush()
+            self._map = mmap.mmap(f.fileno(), 16)
+        self.enter(self.phase)
+
+    def unmirror(self) -> None:
+        """Stop mirroring and remove the file: only a rank that did not get here leaves one behind."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            Path(self._path).unlink(missing_ok=True)
+
+
+def read_mirror(path: str | Path) -> tuple[int, str] | None:
+    try:
+        step, idx = struct.unpack_from(_PROGRESS_FMT, Path(path).read_bytes())
+    except (OSError, struct.error):
+        return None
+    return step, PHASES[idx] if idx < len(PHASES) else "?"
+
+
+def _store():
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.distributed_c10d._get_default_store()
+    return None
+
+
+def _where(thread_id: int) -> str:
+    """The innermost frame of a thread, as file:line in function."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "?"
+    fs = traceback.extract_stack(frame)[-1]
+    return f"{Path(fs.filename).name}:{fs.lineno} in {fs.name}"
+
+
+def post_failure(rank: int, progress: Progress, err: BaseException) -> None:
+    """Tell the other ranks that this one failed (first failure wins); never raises."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        msg = json.dumps({"rank": rank, "step": progress.step, "phase": progress.phase,
+                          "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
+        store.compare_set(_FAILED, "", msg)
+    except Exception:
+        pass
+
+
+def peer_failure(rank: int) -> dict | None:
+    """The failure another rank posted, if any (so that this rank's follow-on error is not reported as news)."""
+    store = _store()
+    try:
+        if store is not None and store.check([_FAILED]):
+            failed = json.loads(store.get(_FAILED) or "null")
+            return failed if failed and failed["rank"] != rank else None
+    except Exception:
+        pass
+    return None
+
+
+def stop_line(rank: int, failed: dict) -> str:
+    return (f"ddp_kit: [rank {rank}] stopping: rank {failed['rank']} failed at step {failed['step']} "
+            f"in {failed['phase']} ({failed['error']})")
+
+
+class Watchdog:
+    """One daemon thread per rank. `start()` after the process group exists; `stop()` before it goes."""
+
+    def __init__(self, rank: int, world_size: int, progress: Progress, hang_timeout_s: float, slow_timeout_s: float,
+                 dump_dir: str | Path, poll_s: float = 1.0, host: str = ""):
+        self.rank, self.world_size, self.progress = rank, world_size, progress
+        self.hang_timeout_s, self.slow_timeout_s, self.poll_s = hang_timeout_s, slow_timeout_s, poll_s
+        self.dump_dir = Path(dump_dir)
+        self.host = host or os.uname().nodename
+        self._stop = threading.Event()
+        self.aborting = threading.Event()  # set once a hang is declared: later errors are its echoes
+        self._main_thread = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._loop, name="ddp_kit-watchdog", daemon=True)
+        self.store = _store()
+
+    def start(self) -> "Watchdog":
+        if self.store is not None and self.world_size > 1 and self.hang_timeout_s > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    # ---- the thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._tick()
+            except Exception as exc:  # the store went away: the job is ending anyway
+                if not self._stop.is_set():
+                    print(f"ddp_kit: [rank {self.rank}] watchdog stopped: {exc}", file=sys.stderr, flush=True)
+                return
+
+    def _tick(self) -> None:
+        p = self.progress
+        stalled_for = time.monotonic() - p.since
+        self.store.set(f"ddp_kit/progress/{self.rank}", json.dumps(
+            {"step": p.step, "phase": p.phase, "stalled_s": round(stalled_for, 1), "host": self.host,
+             "where": _where(self._main_thread), "t": time.time()}))
+        failed = peer_failure(self.rank)
+        if failed:
+            print(stop_line(self.rank, failed), file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_FAILED)
+        if self.store.check([_ABORT]):
+            self.aborting.set()
+            self._dump()
+            os._exit(EXIT_HANG)
+        limit = self.slow_timeout_s if p.phase in SLOW_PHASES else self.hang_timeout_s
+        if stalled_for > limit:
+            self._on_hang(stalled_for)
+
+    def _dump(self) -> Path:
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        path = self.dump_dir / f"rank{self.rank}.txt"
+        with open(path, "w") as f:
+            p = self.progress
+            f.write(f"rank {self.rank} on {self.host}: step {p.step}, phase {p.phase}, "
+                    f"no progress for {time.monotonic() - p.since:.1f}s\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+
+    def _on_hang(self, stalled_for: float) -> None:
+        self.aborting.set()
+        self._dump()
+        if self.rank != 0:
+            # Rank 0 writes the report; give it time, then leave on our own if it never does.
+            deadline = time.monotonic() + max(10.0, self.hang_timeout_s)
+            while time.monotonic() < deadline and not self.store.check([_ABORT]):
+                time.sleep(0.2)
+            if not self.store.check([_ABORT]):
+                print(f"ddp_kit: [rank {self.rank}] no progress for {stalled_for:.0f}s in {self.progress.phase} at step "
+                      f"{self.progress.step}; stacks in {self.dump_dir}", file=sys.stderr, flush=True)
+            os._exit(EXIT_HANG)
+        time.sleep(min(2.0, self.poll_s * 2))  # let every rank publish its latest position
+        print(hang_report(self._positions(), stalled_for, self.dump_dir), file=sys.stderr, flush=True)
+        self.store.set(_ABORT, "hang")
+        time.sleep(self.poll_s * 1.5)  # the others see the flag, dump, and exit
+        os._exit(EXIT_HANG)
+
+    def _positions(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.world_size):
+            key = f"ddp_kit/progress/{r}"
+            out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return out
+
+
+def lagging(positions: dict[int, dict | None]) -> list[int]:
+    """Ranks that are furthest behind: by step, then by phase order. Ranks with no report lag most."""
+    missing = [r for r, p in positions.items() if p is None]
+    if missing:
+        return missing
+    key = {r: (p["step"], PHASES.index(p["phase"]) if p["phase"] in PHASES else len(PHASES)) for r, p in positions.items()}
+    low = min(key.values())
+    behind = [r for r, k in key.items() if k == low]
+    return [] if len(behind) == len(key) else behind
+
+
+def hang_report(positions: dict[int, dict | None], stalled_for: float, dump_dir: Path) -> str:
+    behind = lagging(positions)
+    lines = [f"ddp_kit: hang: no progress for {stalled_for:.0f}s. "
+             + (f"Lagging: rank {', '.join(map(str, behind))}." if behind
+                else "Every rank is at the same place: a collective that never completes (network, NCCL) or the same hang on all ranks.")]
+    for r, p in sorted(positions.items()):
+        if p is None:
+            lines.append(f"  rank {r}: no report (process dead or stuck before its watchdog started)")
+        else:
+            lines.append(f"  rank {r} ({p['host']}): step {p['step']}, {p['phase']}, at {p['where']}, idle {p['stalled_s']}s")
+    lines.append(f"  stacks: {dump_dir}/rank<R>.txt; all ranks exit {EXIT_HANG}. "
+                 f"Hint: a rank that skips or adds a collective, or blocks in its own code, stalls the others.")
+    return "\n".join(lines)
+
+
+# ---- a peer that vanished without a word (fatal signal, SIGKILL, OOM killer) ----------------------
+
+COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out", "timed out",
+               "remote process exited", "NCCL error", "Broken pipe", "Socket Timeout")
+
+
+def is_comm_error(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and any(k in str(err) for k in COMM_ERRORS)
+
+
+def enable_crash_dump(dump_dir: str | Path, rank: int):
+    """Have Python write every thread's stack to hang/rank<R>.crash.txt on a fatal signal (e.g. gloo's
+    abort on a collective mismatch). Returns the open file; `disable_crash_dump` removes it if empty."""
+    path = Path(dump_dir) / f"rank{rank}.crash.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "w")
+    faulthandler.enable(file=f, all_threads=True)
+    return f
+
+
+def disable_crash_dump(f) -> None:
+    faulthandler.disable()
+    f.close()
+    path = Path(f.name)
+    if path.exists() and path.stat().st_size == 0:
+        path.unlink()
+    try:
+        path.parent.rmdir()  # only if nothing else (hang stacks, NCCL traces) is in it
+    except OSError:
+        pass
+
+
+def _crash_site(text: str) -> str | None:
+    """In a faulthandler dump: the main thread's innermost frame outside installed packages
+    (the user's or ddp_kit's own line that issued the fatal call)."""
+    for block in text.split("\n\n"):
+        frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
+        if not frames or "threading.py" in frames[-1]:
+            continue  # a helper thread (watchdog, checkpoint writer), not the training thread
+        for frame in frames:  # innermost first
+            if "site-packages" in frame or "<frozen" in frame:
+                continue
+            try:
+                path, rest = frame[6:].split('", line ', 1)
+                return f"{Path(path).name}:{rest}"
+            except ValueError:
+                return frame
+    return None
+
+
+def diagnose_peer_loss(rank: int, world_size: int, dump_dir: str | Path, wait_s: float = 3.0) -> str | None:
+    """After a communication error: find the rank that caused it, from its posted failure, its crash
+    dump, or its silence. Returns the one line to print, or None when no peer looks at fault."""
+    store = _store()
+    deadline = time.monotonic() + wait_s
+    while True:
+        failed = peer_failure(rank)
+        if failed:
+            return stop_line(rank, failed)
+        crashed = [r for r in range(world_size) if r != rank and (Path(dump_dir) / f"rank{r}.crash.txt").exists()
+                   and (Path(dump_dir) / f"rank{r}.crash.txt").stat().st_size > 0]
+        if crashed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    positions = {}
+    for r in range(world_size):
+        try:
+            key = f"ddp_kit/progress/{r}"
+            positions[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
+        except Exception:
+            positions[r] = None
+    if crashed:
+        r = crashed[0]
+        path = Path(dump_dir) / f"rank{r}.crash.txt"
+        site = _crash_site(path.read_text(errors="replace")) or "?"
+        step, phase = read_mirror(Path(dump_dir) / f"rank{r}.progress") or ((positions.get(r) or {}).get("step", "?"), "?")
+        return (f"ddp_kit: error: rank {r} crashed (fatal signal) at step {step} in {phase}, at {site}; its stacks "
+                f"are in {path} (hint: gloo aborts when ranks run different collectives: check that every rank "
+                f"calls the same collectives in the same order)")
+    now = time.time()
+    silent = [r for r, p in positions.items() if r != rank and p is not None and now - p.get("t", now) > 2.0]
+    if silent:
+        r = silent[0]
+        p = positions[r]
+        step, phase = read_mirror(Path(dump_dir) / f"rank{r}.progress") or (p["step"], p["phase"])
+        return (f"ddp_kit: error: rank {r} stopped without a word (killed? out of host memory?) at step {step} "
+                f"in {phase}, last seen {now - p['t']:.0f}s ago on {p['host']} "
+                f"(hint: check that host's kernel log / scheduler for a kill)")
+    return None

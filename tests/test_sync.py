@@ -1,0 +1,92 @@
+"""Injected faults under real 2-rank torchrun (gloo): each is detected, named, and every process exits non-zero."""
+import time
+
+import pytest
+
+from conftest import HELPERS, ok, torchrun
+
+HANG = 8
+COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "60",
+          "--sync_check_every", "5"]
+
+
+def faulty(tmp_path, spec):
+    t0 = time.monotonic()
+    res = torchrun(["-m", "ddp_kit.train", *COMMON, "--run_dir", str(tmp_path), "--inject", spec], timeout=120)
+    return res, time.monotonic() - t0
+
+
+def ours(res):
+    return [line for line in res.stderr.splitlines() if line.startswith(("ddp_kit:", "  rank"))]
+
+
+def assert_failed_everywhere(res):
+    assert res.returncode != 0
+    # torchrun reports each worker's exit code; none of ours may be 0
+    codes = [line for line in res.stderr.splitlines() if "exitcode" in line]
+    assert codes and all("exitcode  : 0" not in c for c in codes), res.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_extra_collective(tmp_path):
+    res, took = faulty(tmp_path, "extra_collective:rank=1:step=5")
+    assert_failed_everywhere(res)
+    text = "\n".join(ours(res))
+    # gloo either aborts rank 1 (size mismatch) or the ranks hang; both must name rank 1 and where it was
+    assert ("rank 1 crashed" in text and "after step" in text) or ("Lagging: rank 1" in text and "after step" in text), text
+    assert took < HANG + 10 + 15  # torchrun start-up included
+
+
+@pytest.mark.slow
+def test_b_hang(tmp_path):
+    res, took = faulty(tmp_path, "hang:rank=1:step=5")
+    assert_failed_everywhere(res)
+    lines = ours(res)
+    assert any("hang: no progress" in line and "Lagging: rank 1" in line for line in lines), lines
+    assert any(line.strip().startswith("rank 1") and "after step" in line for line in lines), lines
+    assert (tmp_path / "hang" / "rank0.txt").exists() and (tmp_path / "hang" / "rank1.txt").exists()
+    assert "faults.py" in (tmp_path / "hang" / "rank1.txt").read_text()
+    assert took < HANG + 10 + 15
+
+
+@pytest.mark.slow
+def test_c_raise(tmp_path):
+    res, took = faulty(tmp_path, "raise:rank=1:step=5")
+    assert_failed_everywhere(res)
+    lines = ours(res)
+    originals = [line for line in lines if line.startswith("ddp_kit: error: rank 1 failed at step 5 in after step")]
+    assert len(originals) == 1, lines
+    assert res.stderr.count("injected fault: rank 1 raises") >= 1
+    assert took < 60 + 15
+
+
+@pytest.mark.slow
+def test_d_perturbed_parameters(tmp_path):
+    res, took = faulty(tmp_path, "perturb:rank=1:step=5")
+    assert_failed_everywhere(res)
+    lines = [line for line in ours(res) if "diverged" in line]
+    assert len(lines) == 1 and "rank 1" in lines[0] and "sync check" in lines[0] and "1.weight" in lines[0], ours(res)
+
+
+@pytest.mark.slow
+def test_d_perturbed_parameters_broadcast_fix(tmp_path):
+    res = ok(torchrun(["-m", "ddp_kit.train", *COMMON, "--run_dir", str(tmp_path), "--inject", "perturb:rank=1:step=5",
+                       "--sync_fix", "broadcast"], timeout=120))
+    assert "re-broadcast from rank 0" in res.stdout
+
+
+@pytest.mark.slow
+def test_e_different_config(tmp_path):
+    res, _ = faulty(tmp_path, "config:rank=1")
+    assert_failed_everywhere(res)
+    lines = [line for line in ours(res) if "disagree" in line]
+    assert len(lines) == 1 and "before step 1" in lines[0] and "rank 1" in lines[0] and "seed" in lines[0], ours(res)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_f_collective_inside_main_only_raises(tmp_path):
+    res = ok(torchrun([str(HELPERS / "main_only.py")], timeout=120))
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("raised after")]
+    assert len(line) == 1 and float(line[0].split()[2].rstrip("s:")) < 1.0, res.stdout
+    assert "main_only()" in line[0]
