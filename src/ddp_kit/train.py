@@ -17,6 +17,7 @@ from . import __version__
 from .config import TrainConfig, help_text, resolve
 from .data import per_rank_batch
 from .dist import distributed
+from .doctor import findings_for_error, is_cuda_error, oom_report
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
 from .faults import parse as parse_faults
@@ -123,6 +124,11 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
             # Print before telling the others: once they stop, torchrun may kill this process.
             print(f"ddp_kit: error: rank {ctx.rank} failed at step {progress.step} in {progress.phase}: "
                   f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+            if is_cuda_error(err):
+                notes = oom_report(ctx.device, per_rank_batch(cfg.batch_size, ctx.world_size, cfg.grad_accum),
+                                   cfg.batch_size, cfg.grad_accum, cfg.amp) if isinstance(err, torch.cuda.OutOfMemoryError) else []
+                for line in notes + findings_for_error(err, cfg.amp):
+                    print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
             post_failure(ctx.rank, progress, err)
             raise Reported(1) from err
         finally:

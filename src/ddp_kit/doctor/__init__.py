@@ -1,0 +1,41 @@
+"""`python -m ddp_kit.doctor`: why CUDA, NCCL or multi-GPU training is not working here, on one screen.
+
+facts.py gathers, checks.py judges (pure functions), active.py measures (--comm, --memory).
+"""
+from __future__ import annotations
+
+
+def findings_for_error(err: BaseException, amp: str | None = None) -> list[str]:
+    """One line per failing or warning diagnosis, to print beside a CUDA/NCCL/OOM error in training."""
+    from .checks import FAIL, WARN, diagnose
+    from .facts import gather
+
+    try:
+        findings = diagnose(gather(), amp)
+    except Exception:  # the doctor must never hide the original error
+        return []
+    return [f"doctor: {f.status}: {f.name}: {f.message} (fix: {f.fix})" for f in findings if f.status in (FAIL, WARN) and f.fix]
+
+
+def is_cuda_error(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    return any(k in text for k in ("CUDA", "cuda", "NCCL", "OutOfMemoryError", "cuDNN", "CUBLAS"))
+
+
+def oom_report(device, micro_batch: int, global_batch: int, grad_accum: int, amp: str) -> list[str]:
+    """What this rank held when it ran out of GPU memory, and what to change."""
+    import torch
+
+    gib = 2**30
+    try:
+        alloc, reserved = torch.cuda.memory_allocated(device) / gib, torch.cuda.memory_reserved(device) / gib
+        peak, total = torch.cuda.max_memory_allocated(device) / gib, torch.cuda.get_device_properties(device).total_memory / gib
+    except Exception:  # noqa: BLE001
+        alloc = reserved = peak = total = float("nan")
+    advice = [f"--grad_accum {grad_accum * 2} (same global batch {global_batch}, half the per-rank micro-batch)"]
+    if amp == "off":
+        advice.append("--amp bf16 (or fp16 before Ampere)")
+    advice.append(f"a smaller --batch_size than {global_batch}")
+    return [f"out of GPU memory on {device}: allocated {alloc:.2f} GiB, reserved {reserved:.2f} GiB, peak {peak:.2f} GiB "
+            f"of {total:.2f} GiB; per-rank micro-batch {micro_batch}",
+            "try: " + "; or ".join(advice)]

@@ -1,0 +1,192 @@
+"""Gather the facts the doctor reasons about: one plain, JSON-able dict. Nothing here judges.
+
+Every probe is guarded: a missing tool or a broken import becomes a recorded fact (`None` or an
+error string), never an exception, because a broken machine is exactly what the doctor is for.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIXES = ("NCCL_", "MASTER_", "TORCH_NCCL_", "GLOO_")
+ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID",
+            "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE",
+            "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_PROCID")
+
+
+def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
+    if not shutil.which(cmd[0]):
+        return None
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def nvidia_smi() -> dict[str, Any]:
+    """Driver version, the CUDA version the driver supports, GPUs as the driver sees them."""
+    out: dict[str, Any] = {"present": shutil.which("nvidia-smi") is not None, "driver": None, "driver_cuda": None,
+                           "gpus": []}
+    head = _run(["nvidia-smi"])
+    if head:
+        m = re.search(r"CUDA Version:\s*([\d.]+)", head)
+        out["driver_cuda"] = m.group(1) if m else None
+    q = _run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version,compute_cap",
+              "--format=csv,noheader,nounits"])
+    for line in (q or "").strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 5:
+            out["driver"] = parts[3]
+            out["gpus"].append({"name": parts[0], "memory_total_mb": _num(parts[1]), "memory_used_mb": _num(parts[2]),
+                                "capability": parts[4]})
+    return out
+
+
+def _num(s: str) -> float | None:
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def torch_facts() -> dict[str, Any]:
+    out: dict[str, Any] = {"version": None, "cuda": None, "hip": None, "cudnn": None, "nccl": None,
+                           "nccl_available": None, "cuda_available": None, "cuda_error": None, "device_count": 0,
+                           "arch_list": [], "gpus": [], "import_error": None, "torchvision": None,
+                           "torchvision_error": None}
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - a broken install is a fact
+        out["import_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out["version"] = torch.__version__
+    out["cuda"] = torch.version.cuda
+    out["hip"] = getattr(torch.version, "hip", None)
+    try:
+        import torch.distributed as tdist
+
+        out["nccl_available"] = tdist.is_available() and tdist.is_nccl_available()
+    except Exception:
+        out["nccl_available"] = False
+    try:
+        out["cudnn"] = torch.backends.cudnn.version()
+    except Exception:
+        pass
+    try:
+        out["cuda_available"] = torch.cuda.is_available()
+        if out["cuda_available"]:
+            out["device_count"] = torch.cuda.device_count()
+            out["arch_list"] = torch.cuda.get_arch_list()
+            for i in range(out["device_count"]):
+                p = torch.cuda.get_device_properties(i)
+                free, total = torch.cuda.mem_get_info(i)
+                out["gpus"].append({"name": p.name, "memory_total_mb": total / 2**20, "memory_free_mb": free / 2**20,
+                                    "capability": f"{p.major}.{p.minor}", "bf16": p.major >= 8})
+            if out["nccl_available"]:
+                v = torch.cuda.nccl.version()
+                out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        elif out["cuda"]:
+            out["arch_list"] = torch.cuda.get_arch_list()
+    except Exception as exc:  # noqa: BLE001
+        out["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import torchvision
+
+        out["torchvision"] = torchvision.__version__
+        torchvision.ops.nms  # noqa: B018 - touches the compiled ops, the usual point of failure
+    except Exception as exc:  # noqa: BLE001
+        out["torchvision_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return out
+
+
+def layout(environ) -> dict[str, Any]:
+    from ..env import detect
+    from ..errors import UserError
+
+    try:
+        env = detect(environ)
+        return {"launcher": env.launcher, "rank": env.rank, "local_rank": env.local_rank, "world_size": env.world_size,
+                "local_world_size": env.local_world_size, "master_addr": env.master_addr, "master_port": env.master_port,
+                "error": None}
+    except UserError as err:
+        return {"error": err.line()}
+
+
+def master_reachability(addr: str | None, port: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"addr": addr, "port": port, "resolves": None, "local": None, "port_in_use": None}
+    if not addr:
+        return out
+    try:
+        infos = socket.getaddrinfo(addr, None)
+        ips = {i[4][0] for i in infos}
+        out["resolves"] = True
+        local = {"127.0.0.1", "::1"}
+        try:
+            local |= {i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None)}
+        except OSError:
+            pass
+        out["local"] = bool(ips & local) or any(ip.startswith("127.") for ip in ips)
+    except OSError:
+        out["resolves"] = False
+        return out
+    if port and out["local"]:
+        s = socket.socket()
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", int(port)))
+            out["port_in_use"] = False
+        except OSError:
+            out["port_in_use"] = True
+        finally:
+            s.close()
+    return out
+
+
+def gather(run_dir: str = ".", environ=None) -> dict[str, Any]:
+    environ = dict(os.environ if environ is None else environ)
+    shm = None
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = st.f_frsize * st.f_blocks
+    except OSError:
+        pass
+    disk = None
+    try:
+        probe = Path(run_dir)
+        while not probe.exists():
+            probe = probe.parent
+        disk = shutil.disk_usage(probe).free
+    except OSError:
+        pass
+    lay = layout(environ)
+    return {
+        "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
+        "python": sys.version.split()[0],
+        "torch": torch_facts(),
+        "nvidia": nvidia_smi(),
+        "nvidia_device_files": sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*")),
+        "env": {k: v for k, v in environ.items() if k in ENV_KEYS or k.startswith(ENV_PREFIXES)},
+        "layout": lay,
+        "master": master_reachability(environ.get("MASTER_ADDR"), _int_or_none(environ.get("MASTER_PORT")))
+        if lay.get("launcher") not in ("torchrun",) else {"addr": environ.get("MASTER_ADDR"), "skipped": "running under torchrun"},
+        "shm_bytes": shm,
+        "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "disk_free_bytes": disk,
+        "run_dir": str(run_dir),
+    }
+
+
+def _int_or_none(s: str | None) -> int | None:
+    try:
+        return int(s) if s else None
+    except ValueError:
+        return None
