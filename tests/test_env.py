@@ -97,3 +97,17 @@ def test_detect_does_not_write_environment():
     environ = dict(SLURM_SRUN)
     detect(environ)
     assert environ == SLURM_SRUN
+
+
+def test_slurm_array_tasks_get_distinct_ports():
+    a = detect({**SLURM_SRUN, "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "101"})
+    b = detect({**SLURM_SRUN, "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_ID": "102"})
+    assert a.master_port != b.master_port
+
+
+def test_requeue_target_is_the_array_task_not_the_array():
+    from ddp_kit.preempt import requeue_target
+
+    assert requeue_target({"SLURM_JOB_ID": "7"}) == "7"
+    assert requeue_target({"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "0"}) == "100_0"
+    assert requeue_target({}) is None

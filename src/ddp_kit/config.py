@@ -60,6 +60,7 @@ class TrainConfig:
     sync_fix: str = _f("error", "On divergence: error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("error", "broadcast"))
     collective_timeout_s: float = _f(300.0, "Timeout of every collective after the first step (set behind a barrier).")
     hang_timeout_s: float = _f(180.0, "No progress on a rank for this long: dump stacks to run_dir/hang, report the lagging rank, exit (0: off).")
+    preempt_check_every: int = _f(10, "Steps between the ranks' agreement on a preemption signal (SIGUSR2 under SLURM, SIGTERM): all stop after the same step.")
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/faults.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
@@ -76,7 +77,7 @@ class TrainConfig:
 
 NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
                         "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
-                        "collective_timeout_s", "hang_timeout_s"})
+                        "collective_timeout_s", "hang_timeout_s", "preempt_check_every"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
@@ -175,7 +176,7 @@ def resolve(config_file: str | None = None, overrides: Mapping[str, Any] | None 
 
 
 def _validate(cfg: TrainConfig) -> None:
-    for key in ("epochs", "batch_size", "grad_accum", "log_every"):
+    for key in ("epochs", "batch_size", "grad_accum", "log_every", "preempt_check_every"):
         if getattr(cfg, key) < 1:
             raise UserError(f"config key '{key}' must be at least 1; got {getattr(cfg, key)}", f"e.g. --{key} 1")
     if cfg.max_steps is not None and cfg.max_steps < 1:

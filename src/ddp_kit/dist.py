@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
     if device in ("auto", "cuda"):
         if torch.cuda.is_available():
             count = torch.cuda.device_count()
+            if count == 1 and env.local_world_size > 1 and env.launcher == "slurm":
+                return torch.device("cuda", 0)  # SLURM bound one GPU to each task (--gpu-bind=single:1)
             if env.local_rank >= count:
                 raise UserError(
                     f"local rank {env.local_rank} has no GPU: only {count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
@@ -63,6 +66,28 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
                             "run `python -m ddp_kit.doctor` to see why, or use --device cpu")
         return torch.device("cpu")
     raise UserError(f"unknown device {device!r}", "use auto, cpu or cuda")
+
+
+def check_layout(env: DistEnv, device: torch.device, environ=None) -> None:
+    """Refuse layouts that would hang or mis-assign GPUs, before any rendezvous; warn about waste."""
+    environ = os.environ if environ is None else environ
+    if env.world_size > 1 and env.master_addr:
+        try:
+            socket.getaddrinfo(env.master_addr, None)
+        except OSError:
+            raise UserError(f"master host {env.master_addr!r} ({env.launcher}) does not resolve from {socket.gethostname()}",
+                            "set MASTER_ADDR to a name or address every node can resolve", rank=env.rank) from None
+    if device.type != "cuda" or env.launcher != "slurm":
+        return
+    visible = torch.cuda.device_count()
+    slurm_gpus = environ.get("SLURM_GPUS_ON_NODE")
+    if slurm_gpus and slurm_gpus.isdigit() and int(slurm_gpus) != visible and env.local_rank == 0:
+        print(f"ddp_kit: warning: [node {env.node_rank}] SLURM allocated {slurm_gpus} GPU(s) but {visible} are visible "
+              f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')})", file=sys.stderr, flush=True)
+    if env.local_world_size != visible and visible != 1:
+        raise UserError(f"{env.local_world_size} task(s) on node {env.node_rank} but {visible} GPU(s) visible: the srun "
+                        f"layout needs one task per GPU", f"use --ntasks-per-node={visible} (equal to --gpus-per-node)",
+                        rank=env.rank if env.local_rank == 0 else None)
 
 
 def choose_backend(device: torch.device, backend: str = "auto") -> str:
@@ -105,6 +130,7 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     env = detect() if env is None else env
     dev = choose_device(env, device)
     be = choose_backend(dev, backend)
+    check_layout(env, dev)
     if be == "nccl":
         nccl_defaults(dump_dir)
     if dev.type == "cuda":

@@ -169,7 +169,7 @@ def _from_env_vars(environ: Mapping[str, str]) -> DistEnv:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
-    job_id = environ.get("SLURM_ARRAY_JOB_ID") or environ["SLURM_JOB_ID"]
+    job_id = environ["SLURM_JOB_ID"]  # unique per array task too (SLURM_ARRAY_JOB_ID is shared by all tasks)
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
     hosts = tuple(expand_nodelist(nodelist)) if nodelist else ()
     node_id = _int(environ, "SLURM_NODEID", 0)

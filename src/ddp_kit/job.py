@@ -19,8 +19,9 @@ from .dist import DistContext
 from .errors import UserError
 from .faults import Injector, parse as parse_faults
 from .models import build_model
+from .preempt import PreemptFlag
 from .watchdog import Progress
-from .wrap import check_amp, grad_scaler, unwrap, wrap_model
+from .wrap import check_amp, grad_scaler, settle_ddp_buckets, unwrap, wrap_model
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Job:
     saved_step: int = -1
     resumed_from: int | None = None
     progress: Progress = field(default_factory=Progress)
+    preempt: PreemptFlag | None = None
 
 
 def build(cfg: TrainConfig, ctx: DistContext, progress: Progress | None = None) -> Job:
@@ -105,6 +107,8 @@ def resume(job: Job, say) -> None:
     job.resumed_from = job.step
     job.faults = Injector((), ctx.rank, armed=False)  # a resumed run is the recovery, not the fault
     note = job.train_loader.load_state_dict(shared["data"])
+    sample = torch.utils.data.default_collate([job.train_loader.dataset[i] for i in range(job.train_loader.micro_batch)])
+    settle_ddp_buckets(job.model, sample, ctx.device, torch.nn.functional.cross_entropy)
     if own is not None and meta.get("world_size") == ctx.world_size:
         set_rng_state(own["rng"])
     else:

@@ -17,6 +17,7 @@ from .config import TrainConfig
 from .dist import DistContext, all_reduce_sum, set_collective_timeout, barrier
 from .job import Job, save_checkpoint
 from .outputs import RunWriter
+from .preempt import Preempted, agreed_signal
 from .sync import check_consistency
 from .wrap import autocast, sync_gradients, to_device, unwrap
 
@@ -95,6 +96,11 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                 first_step_done = True
             if bar:
                 bar.update(1)
+            if job.preempt is not None and job.step % cfg.preempt_check_every == 0:
+                progress.enter("preemption check")
+                signum = agreed_signal(ctx, job.preempt)
+                if signum:
+                    raise Preempted(signum)
             if cfg.sync_check_every and job.step % cfg.sync_check_every == 0:
                 progress.enter("sync check")
                 warning = check_consistency(ctx, job.model, job.step, cfg.sync_fix)

@@ -6,6 +6,7 @@ Parse -> build -> train -> summarize, inside `distributed()`, which always tears
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 import traceback
@@ -24,6 +25,7 @@ from .faults import parse as parse_faults
 from .job import Job, build, resume, save_checkpoint
 from .loop import _printer, train
 from .outputs import RunWriter
+from .preempt import EXIT_PREEMPTED, PreemptFlag, Preempted, requeue
 from .sync import check_agreement, disagreeing_ranks, param_sha256, shapes_digest
 from .watchdog import (EXIT_HANG, EXIT_PEER_FAILED, Progress, Watchdog, diagnose_peer_loss, disable_crash_dump,
                        enable_crash_dump, is_comm_error, peer_failure, post_failure, stop_line)
@@ -76,6 +78,7 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
     per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
     cfg = _injected_config(cfg, env.rank)
     progress = Progress()
+    preempt_flag = PreemptFlag().install()
     hang_dir = f"{cfg.run_dir}/hang"
     with distributed(env, cfg.backend, cfg.device, cfg.init_timeout_s, dump_dir=hang_dir) as ctx:
         writer = RunWriter(cfg.run_dir, ctx.is_main)
@@ -91,9 +94,18 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
                       f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}", flush=True)
             resume(job, _printer(ctx))
             startup_agreement(job)
+            job.preempt = preempt_flag
             try:
                 result = train(job, writer)
                 save_checkpoint(job)  # the final one; returns at once if this step is already saved
+            except Preempted as stop:
+                save_checkpoint(job)
+                job.ckpt.wait()
+                note = requeue() if (ctx.is_main and stop.signum == signal.SIGUSR2) else "not requeued (SIGTERM)"
+                if ctx.is_main:
+                    print(f"ddp_kit: preempted by {signal.Signals(stop.signum).name} after step {job.step}: checkpoint "
+                          f"saved; {note}; exiting with {EXIT_PREEMPTED}", file=sys.stderr, flush=True)
+                raise Reported(EXIT_PREEMPTED) from None
             finally:
                 job.ckpt.wait()  # never leave with an async save half-written
             progress.enter("finish")
@@ -106,6 +118,8 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
         except UserError as err:
             if err.rank is not None:  # only this rank hit it: the others must not wait for it
                 post_failure(ctx.rank, progress, err)
+            raise
+        except Reported:
             raise
         except Exception as err:
             if watchdog.aborting.is_set():  # the hang report is out; this error is its echo
@@ -132,6 +146,7 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
             post_failure(ctx.rank, progress, err)
             raise Reported(1) from err
         finally:
+            preempt_flag.restore()
             watchdog.stop()
             writer.close()
             progress.unmirror()

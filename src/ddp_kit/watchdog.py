@@ -30,8 +30,8 @@ EXIT_PEER_FAILED = 1
 _FAILED, _ABORT = "ddp_kit/failed", "ddp_kit/abort"
 
 # Phases in the order a step goes through them: progress compares (step, phase index).
-PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "log all-reduce", "sync check",
-          "checkpoint", "eval", "finish")
+PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "preemption check", "log all-reduce",
+          "sync check", "checkpoint", "eval", "finish")
 # Phases that may legitimately take long; they get the init timeout instead of hang_timeout.
 SLOW_PHASES = frozenset({"startup", "checkpoint", "eval", "finish"})
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}

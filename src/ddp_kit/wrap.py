@@ -88,3 +88,27 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def settle_ddp_buckets(model: nn.Module, batch, device: torch.device, loss_fn) -> None:
+    """Run one throw-away forward/backward so that DDP rebuilds its gradient buckets now.
+
+    DDP lays gradients out in buckets by parameter order for the first iteration, then rebuilds
+    them in the order gradients became ready. With more than 2 ranks the ring all-reduce's sum
+    order depends on that layout, so a resumed run must use the rebuilt layout from its first real
+    step, as the uninterrupted run does, to stay bit-identical. Eval mode keeps BatchNorm statistics
+    untouched; the gradients are discarded and no optimizer step is taken.
+    """
+    ddp = unwrap_ddp(model)
+    if ddp is None:
+        return
+    module = unwrap(model)
+    was_training = module.training
+    module.eval()
+    try:
+        x, y = to_device(batch, device)
+        loss_fn(model(x), y).backward()
+    finally:
+        module.train(was_training)
+        for p in module.parameters():
+            p.grad = None

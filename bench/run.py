@@ -1,0 +1,121 @@
+"""ddp_kit against a hand-written DDP loop, side by side, alternated in one run so machine drift hits both.
+
+    python bench/run.py [--rounds 5] [--steps 300] [--worlds 1,2]
+
+Each round launches, in turn, raw_ddp.py, kit_ddp.py (defaults: sync checks and watchdog on) and
+kit_ddp.py with the sync checks and watchdog off, each under `torchrun --standalone`. Step time =
+wall time between consecutive step ends (data loading and all loop bookkeeping included), median
+over steps after the first `--skip`. Writes bench/results.json and the table in BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fire
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = {
+    "raw": ["raw_ddp.py"],
+    "kit": ["kit_ddp.py"],
+    "kit_no_checks": ["kit_ddp.py", "--sync_check_every", "0", "--hang_timeout_s", "0"],
+}
+
+
+def launch(variant: str, world: int, steps: int, tmp: Path) -> dict:
+    out = tmp / f"{variant}_{world}_{time.monotonic_ns()}.json"
+    script, *extra = VARIANTS[variant]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "BENCH_LAUNCH_T": repr(time.time())}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(HERE / script), "--out", str(out), "--steps", str(steps), *extra]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise SystemExit(f"{variant} at world {world} failed:\n{res.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def step_median(ends: list[float], skip: int) -> float:
+    gaps = [b - a for a, b in zip(ends, ends[1:])][skip:]
+    return statistics.median(gaps)
+
+
+def main(rounds: int = 5, steps: int = 300, skip: int = 20, worlds: str = "1,2", out_md: str = "BENCHMARKS.md"):
+    worlds_list = [int(w) for w in str(worlds).split(",")]
+    rows, raw_json = [], {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for world in worlds_list:
+            runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+            for r in range(rounds):
+                order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))  # ABC CBA ...
+                for v in order:
+                    runs[v].append(launch(v, world, steps, tmp))
+            med = {v: [step_median(x["ends"], skip) for x in runs[v]] for v in VARIANTS}
+            ratio = statistics.median(k / r for k, r in zip(med["kit"], med["raw"]))
+            checks = statistics.median(k / n for k, n in zip(med["kit"], med["kit_no_checks"]))
+            same = {x["param_sha256"] for x in runs["raw"] + runs["kit"] + runs["kit_no_checks"]}
+            row = {
+                "world": world,
+                "raw_step_ms": statistics.median(med["raw"]) * 1e3,
+                "kit_step_ms": statistics.median(med["kit"]) * 1e3,
+                "ratio_kit_raw": ratio,
+                "checks_cost": checks - 1,
+                "bitwise_equal": len(same) == 1,
+                "raw_first_step_s": statistics.median(x["first_step_after_launch_s"] for x in runs["raw"]),
+                "kit_first_step_s": statistics.median(x["first_step_after_launch_s"] for x in runs["kit"]),
+                "raw_peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs["raw"]),
+                "kit_peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs["kit"]),
+            }
+            rows.append(row)
+            raw_json[str(world)] = {"per_round_step_median_s": med, "row": row}
+            print(json.dumps(row), flush=True)
+    ckpt = None
+    if (HERE / "ckpt_results.json").exists():
+        ckpt = json.loads((HERE / "ckpt_results.json").read_text())
+    (HERE / "results.json").write_text(json.dumps({"rows": rows, "raw": raw_json, "ckpt": ckpt}, indent=1) + "\n")
+    write_markdown(Path(out_md), rows, ckpt, rounds, steps, skip, worlds)
+
+
+def write_markdown(path: Path, rows: list[dict], ckpt: dict | None, rounds: int, steps: int, skip: int, worlds: str) -> None:
+    import torch
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, CPU (gloo)"
+    lines = [
+        "# Benchmarks", "",
+        "ddp_kit's training loop against a hand-written DDP loop (PyTorch DDP tutorial style: DistributedSampler,",
+        "DDP, same model, data, seed and global batch), launched the same way and alternated in one run.", "",
+        f"Machine: {machine}. Work: MLP (3072-256-10) on synthetic 3x32x32 data, global batch 128, {steps} steps,",
+        f"{rounds} rounds, step time = median gap between step ends after the first {skip} steps.",
+        "ddp_kit runs with its defaults on (sync check every 100 steps, hang watchdog); `checks cost` compares",
+        "it with the same loop with both off.", "",
+        "Reproduce: `python bench/ckpt_bench.py --out bench/ckpt_results.json && python bench/run.py`", "",
+        "| ranks | raw step (ms) | ddp_kit step (ms) | ratio ddp_kit/raw | sync check + watchdog cost | weights bitwise equal | launch to first step, raw / ddp_kit (s) | peak RSS rank 0, raw / ddp_kit (MB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['raw_step_ms']:.3f} | {r['kit_step_ms']:.3f} | {r['ratio_kit_raw']:.3f} | "
+                     f"{r['checks_cost'] * 100:+.1f}% | {'yes' if r['bitwise_equal'] else 'NO'} | "
+                     f"{r['raw_first_step_s']:.2f} / {r['kit_first_step_s']:.2f} | {r['raw_peak_rss_mb']:.0f} / {r['kit_peak_rss_mb']:.0f} |")
+    if ckpt:
+        m, q = ckpt["median_s"], ckpt["ratio_to_torch_save"]
+        lines += ["", f"## Checkpoint blocking time ({ckpt['state_mb']} MB model + AdamW state, median of {ckpt['repeats']})", "",
+                  "| save | blocking (s) | ratio to plain torch.save |", "|---|---|---|"]
+        names = {"torch_save": "plain torch.save (no fsync)", "torch_save_fsync": "torch.save + fsync",
+                 "sync": "ddp_kit sync save (checksums, fsync, atomic commit)", "async_blocking": "ddp_kit async save (loop blocked)",
+                 "async_total": "ddp_kit async save (until committed)"}
+        for k, name in names.items():
+            lines.append(f"| {name} | {m[k]:.4f} | {q[k]:.3f} |")
+        lines.append(f"\nddp_kit sync save / (torch.save + fsync): {m['sync'] / m['torch_save_fsync']:.2f}.")
+    lines += ["", "Raw numbers: `bench/results.json`, `bench/ckpt_results.json`.", ""]
+    path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

@@ -1,0 +1,158 @@
+"""Both SLURM templates on a real 2-node SLURM cluster started by the tests: 2 nodes x 2 ranks (gloo on CPU),
+preemption (USR2 -> checkpoint -> requeue -> resume) for both layouts and one array task, and layout mistakes."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slurm_cluster
+from conftest import ROOT, ok, read_json, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(slurm_cluster.available() is not None,
+                                                   reason=f"no SLURM here: {slurm_cluster.available()}")]
+
+ARGS = ["--epochs", "3", "--ckpt_every", "5", "--log_every", "5", "--progress", "false", "--hang_timeout_s", "60"]
+# Slows rank 0 (on the first attempt only) so that a signal can land mid-run; weights are unaffected.
+SLOW = ["--inject", "slow:rank=0:step=1:ms=120"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus=4).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same job as 4 ranks of torchrun on one node: what every SLURM run must reproduce."""
+    d = tmp_path_factory.mktemp("ref4")
+    ok(torchrun(["-m", "ddp_kit.train", *ARGS, "--run_dir", str(d)], nproc=4, timeout=240))
+    return read_json(d / "summary.json")
+
+
+def submit(cluster, template, run_dir, *extra_args, sbatch=(), nproc=2, env=None):
+    out = Path(run_dir).parent / f"{Path(run_dir).name}-%j.out"
+    args = ["--nodes=2", "--time=5", f"--output={out}", "--chdir", str(ROOT), *sbatch, str(ROOT / "slurm" / template),
+            *ARGS, "--run_dir", str(run_dir), *extra_args]
+    if template == "srun.sbatch":
+        args.insert(0, f"--ntasks-per-node={nproc}")
+    return cluster.sbatch(args, env={"PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "OMP_NUM_THREADS": "1",
+                                     "CUDA_VISIBLE_DEVICES": "", **(env or {})})
+
+
+def output(run_dir, job_id) -> str:
+    p = Path(run_dir).parent / f"{Path(run_dir).name}-{job_id}.out"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def warn_job(cluster, job: str, run_dir, attempts: int = 3) -> None:
+    """Send the preemption warning as `scancel --signal=USR2 --full`. Once in a full-module run the
+    signal was not seen by any process of the job; resend (at most `attempts` times) until the batch
+    script's trap reports it, so that a lost delivery is retried rather than mistaken for our bug."""
+    for _ in range(attempts):
+        cluster.run(["scancel", "--signal=USR2", "--full", job])
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            if "got SIGUSR2" in output(run_dir, job.split("_")[0] if "_" not in job else job) or \
+                    cluster.job(job).get("JobState") != "RUNNING":
+                return
+            time.sleep(0.2)
+
+
+def release_requeued(cluster, job: str, timeout: float = 120) -> None:
+    """SLURM holds a requeued batch job for ~2 minutes (BeginTime) before it may start again; a test
+    need not wait that out: once the requeue has happened, make it eligible now, as an admin could."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        info = cluster.job(job)
+        if int(info.get("Restarts", 0)) >= 1 and info.get("JobState") == "PENDING":
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+            return
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job} was not requeued: {cluster.job(job)}")
+
+
+def wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < end:
+        if metrics.exists():
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+            if steps and max(steps) >= step:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{run_dir} never reached step {step}")
+
+
+@pytest.mark.parametrize("template", ["srun.sbatch", "torchrun.sbatch"])
+def test_template_2_nodes_x_2_ranks(cluster, reference, tmp_path, template):
+    run_dir = tmp_path / "run"
+    job = submit(cluster, template, run_dir)
+    info = cluster.wait_job(job, timeout=240)
+    assert info["JobState"] == "COMPLETED", output(run_dir, job)
+    summary = read_json(run_dir / "summary.json")
+    assert summary["world_size"] == 4 and summary["eval_samples"] == 360
+    assert summary["param_sha256_all_ranks_equal"] is True
+    assert summary["param_sha256"] == reference["param_sha256"], output(run_dir, job)
+
+
+@pytest.mark.parametrize("template", ["srun.sbatch", "torchrun.sbatch"])
+def test_preemption_checkpoint_requeue_resume(cluster, reference, tmp_path, template):
+    run_dir = tmp_path / "run"
+    job = submit(cluster, template, run_dir, *SLOW)
+    wait_step(run_dir, 10)
+    warn_job(cluster, job, run_dir)
+    release_requeued(cluster, job)
+    info = cluster.wait_job(job, timeout=300)
+    text = output(run_dir, job)
+    assert info["JobState"] == "COMPLETED", text
+    assert int(info.get("Restarts", 0)) == 1, info
+    assert "preempted by SIGUSR2" in text and "requeued" in text, text
+    summary = read_json(run_dir / "summary.json")
+    assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 10
+    assert summary["param_sha256"] == reference["param_sha256"]
+
+
+def test_preemption_array_task_requeues_only_itself(cluster, reference, tmp_path):
+    base = tmp_path / "sweep_{array_task}"
+    job = submit(cluster, "srun.sbatch", base, *SLOW, sbatch=["--array=0-1"])
+    tasks = {i: f"{job}_{i}" for i in range(2)}
+    wait_step(tmp_path / "sweep_1", 10)
+    cluster.run(["scancel", "--signal=USR2", "--full", tasks[1]])
+    release_requeued(cluster, tasks[1])
+    infos = {i: cluster.wait_job(t, timeout=300) for i, t in tasks.items()}
+    assert all(info["JobState"] == "COMPLETED" for info in infos.values()), infos
+    assert int(infos[0].get("Restarts", 0)) == 0 and int(infos[1].get("Restarts", 0)) == 1
+    for i in range(2):
+        summary = read_json(tmp_path / f"sweep_{i}" / "summary.json")
+        assert summary["param_sha256"] == reference["param_sha256"]
+    assert read_json(tmp_path / "sweep_1" / "summary.json")["resumed_from_step"] is not None
+    assert read_json(tmp_path / "sweep_0" / "summary.json")["resumed_from_step"] is None
+
+
+def test_mistake_many_tasks_without_srun(cluster, tmp_path):
+    out = tmp_path / "o-%j.out"
+    job = cluster.sbatch(["--nodes=1", "--ntasks=2", "--time=2", f"--output={out}", "--chdir", str(ROOT),
+                          "--wrap", f"{sys.executable} -m ddp_kit.train --run_dir {tmp_path / 'r'}"],
+                         env={"CUDA_VISIBLE_DEVICES": ""})
+    info = cluster.wait_job(job, timeout=120)
+    text = (tmp_path / f"o-{job}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), (info, text)
+    lines = [line for line in text.splitlines() if line.startswith("ddp_kit: error:")]
+    assert len(lines) == 1 and "srun" in lines[0] and "Traceback" not in text
+
+
+def test_mistake_unresolvable_master(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit(cluster, "srun.sbatch", run_dir, env={"MASTER_ADDR": "no-such-host.invalid"})
+    info = cluster.wait_job(job, timeout=120)
+    text = output(run_dir, job)
+    assert info["JobState"] == "FAILED", text
+    assert "does not resolve" in text and "no-such-host.invalid" in text and "Traceback" not in text
