@@ -14,6 +14,7 @@
 #   RDZV_HOST       host of the c10d rendezvous (multi-node; default MASTER_ADDR, or this host)
 #   RDZV_PORT       its port (default 29500)
 #   RDZV_ID         job id shared by all nodes (default: SLURM_JOB_ID, or "ddp_kit")
+#   RDZV_CONF       extra --rdzv_conf for multi-node (e.g. join_timeout=60)
 #   MAX_RESTARTS    worker-group restarts after a failure (default 0)
 #   PYTHON          interpreter (default: python)
 # Everything after the script name goes to `python -m ddp_kit.train` unchanged.
@@ -43,4 +44,4 @@ fi
 RDZV_HOST=${RDZV_HOST:-${MASTER_ADDR:-$(hostname)}}
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:${RDZV_PORT:-29500}" --rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-ddp_kit}}" \
-    --max-restarts="$MAX_RESTARTS" -m ddp_kit.train "$@"
+    ${RDZV_CONF:+--rdzv_conf="$RDZV_CONF"} --max-restarts="$MAX_RESTARTS" -m ddp_kit.train "$@"
