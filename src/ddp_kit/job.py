@@ -18,6 +18,7 @@ from .data import TrainLoader, build_dataset, eval_loader
 from .dist import DistContext
 from .errors import UserError
 from .faults import Injector, parse as parse_faults
+from .metrics import StepTimer, StragglerWatch, model_flops_per_sample, peak_tflops
 from .models import build_model
 from .preempt import PreemptFlag
 from .watchdog import Progress
@@ -44,6 +45,10 @@ class Job:
     resumed_from: int | None = None
     progress: Progress = field(default_factory=Progress)
     preempt: PreemptFlag | None = None
+    timer: StepTimer = field(default_factory=StepTimer)
+    stragglers: StragglerWatch = field(default_factory=StragglerWatch)
+    flops_per_sample: float | None = None
+    peak_tflops: float | None = None
 
 
 def build(cfg: TrainConfig, ctx: DistContext, progress: Progress | None = None) -> Job:
@@ -67,8 +72,13 @@ def build(cfg: TrainConfig, ctx: DistContext, progress: Progress | None = None) 
     ckpt = Checkpointer(ctx, f"{cfg.run_dir}/checkpoints", keep_last=cfg.keep_last, async_save=cfg.async_ckpt,
                         timeout_s=cfg.init_timeout_s, write_delay_s=cfg.debug_ckpt_delay_s)
     faults = Injector(parse_faults(cfg.inject), ctx.rank, armed=ctx.env.restart_count == 0)
-    return Job(cfg, ctx, model, optimizer, scheduler, grad_scaler(cfg.amp, ctx.device), train_loader, test_loader,
-               total, ckpt, faults, progress=progress or Progress())
+    job = Job(cfg, ctx, model, optimizer, scheduler, grad_scaler(cfg.amp, ctx.device), train_loader, test_loader,
+              total, ckpt, faults, progress=progress or Progress(), stragglers=StragglerWatch(cfg.straggler_margin))
+    if cfg.rank_metrics:
+        x0 = torch.utils.data.default_collate([spec.train[0]])[0].to(ctx.device)
+        job.flops_per_sample = model_flops_per_sample(unwrap(model), x0)
+        job.peak_tflops = peak_tflops(ctx.device)
+    return job
 
 
 # ---- checkpoint state: what the loop is, as plain dicts ----------------------------------------------

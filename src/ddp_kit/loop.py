@@ -16,6 +16,7 @@ from torch import nn
 from .config import TrainConfig
 from .dist import DistContext, all_reduce_sum, set_collective_timeout, barrier
 from .job import Job, save_checkpoint
+from .metrics import gather_ranks
 from .outputs import RunWriter
 from .preempt import Preempted, agreed_signal
 from .sync import check_consistency
@@ -26,20 +27,26 @@ def train_step(job: Job, micro_batches: list) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss."""
     cfg, model = job.cfg, job.model
     total = 0.0
+    timer = job.timer
     job.progress.enter("forward/backward")
     for i, (x, y) in enumerate(micro_batches):
         x, y = to_device((x, y), job.ctx.device)
         if cfg.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
-        with sync_gradients(model, sync=(i == len(micro_batches) - 1)), autocast(cfg.amp, job.ctx.device):
-            loss = F.cross_entropy(model(x), y) / len(micro_batches)
+        with sync_gradients(model, sync=(i == len(micro_batches) - 1)):
+            with autocast(cfg.amp, job.ctx.device):
+                loss = F.cross_entropy(model(x), y) / len(micro_batches)
+            timer.mark("forward")
             job.scaler.scale(loss).backward()
+            timer.mark("backward")
         total += loss.detach().item()
     job.progress.enter("optimizer")
     job.scaler.step(job.optimizer)
     job.scaler.update()
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
+    timer.mark("optimizer")
+    timer.steps += 1
     return total
 
 
@@ -77,7 +84,9 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
         micro: list = []
         epoch = loader.epoch
         progress.enter("data", job.step + 1)
+        job.timer.mark("other")
         for batch in loader:
+            job.timer.mark("data")
             micro.append(batch)
             if len(micro) < cfg.grad_accum:
                 continue
@@ -96,32 +105,53 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                 first_step_done = True
             if bar:
                 bar.update(1)
+            timer = job.timer
             if job.preempt is not None and job.step % cfg.preempt_check_every == 0:
                 progress.enter("preemption check")
+                timer.mark("other")
                 signum = agreed_signal(ctx, job.preempt)
+                timer.mark("comm")
                 if signum:
                     raise Preempted(signum)
             if cfg.sync_check_every and job.step % cfg.sync_check_every == 0:
                 progress.enter("sync check")
+                timer.mark("other")
                 warning = check_consistency(ctx, job.model, job.step, cfg.sync_fix)
+                timer.mark("comm")
                 if warning:
                     say(f"ddp_kit: warning: {warning}", bar)
             if cfg.ckpt_every and job.step % cfg.ckpt_every == 0:
+                timer.mark("other")
                 save_checkpoint(job)
+                timer.mark("comm")
             if job.step % cfg.log_every == 0 or job.step == job.total_steps:
                 progress.enter("log all-reduce")
+                timer.mark("other")
                 now = time.perf_counter()
                 (loss,) = all_reduce_sum(ctx, [window_loss / max(window_n, 1)])
+                timer.mark("comm")
                 record = {"event": "train", "step": job.step, "epoch": epoch, "loss": loss / ctx.world_size,
                           "lr": job.scheduler.get_last_lr()[0],
                           "samples_per_s": (job.step - last_step) * cfg.batch_size / max(now - last_t, 1e-9)}
+                record["eta_s"] = (job.total_steps - job.step) * cfg.batch_size / max(record["samples_per_s"], 1e-9)
+                if job.flops_per_sample:
+                    record["model_tflops_per_s"] = job.flops_per_sample * record["samples_per_s"] / 1e12
+                    if job.peak_tflops:
+                        record["mfu"] = record["model_tflops_per_s"] / (job.peak_tflops * ctx.world_size)
+                if cfg.rank_metrics:
+                    record["ranks"] = gather_ranks(ctx, timer.window(), job.train_loader.micro_batch * cfg.grad_accum)
+                    timer.mark("comm")
+                    for line in job.stragglers.update(record["ranks"]):
+                        say(f"ddp_kit: warning: {line}", bar)
                 writer.log(record)
                 say(f"step {job.step}/{job.total_steps} epoch {epoch} loss {record['loss']:.4f} "
-                    f"lr {record['lr']:.2e} {record['samples_per_s']:.0f} samples/s", bar)
+                    f"lr {record['lr']:.2e} {record['samples_per_s']:.0f} samples/s"
+                    + (f" mfu {record['mfu']:.1%}" if "mfu" in record else ""), bar)
                 window_loss, window_n, last_t, last_step, logged_loss = 0.0, 0, now, job.step, record["loss"]
             if job.step >= job.total_steps:
                 break
             progress.enter("data", job.step + 1)
+            job.timer.mark("other")
         end_of_epoch = loader.position == 0
         if end_of_epoch and (cfg.eval_every_epoch or job.step >= job.total_steps):
             ev, ev_step = evaluate(job.model, job.test_loader, ctx, cfg.amp, progress), job.step

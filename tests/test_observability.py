@@ -1,0 +1,62 @@
+"""Per-rank metrics, the straggler warning (a rank slowed by a test hook), report.png/csv, no tensorboard."""
+import json
+import sys
+
+import pytest
+
+from conftest import ok, read_json, run_cmd, torchrun
+from ddp_kit.metrics import StepTimer, StragglerWatch
+
+
+def _rank(r, local):
+    return {"rank": r, "host": "h", "local_s": local, "data_s": 0.0, "forward_s": local, "optimizer_s": 0.0, "other_s": 0.0}
+
+
+def test_straggler_needs_patience_and_margin():
+    w = StragglerWatch(margin=0.2, patience=2)
+    assert w.update([_rank(0, 0.010), _rank(1, 0.030), _rank(2, 0.010)]) == []
+    lines = w.update([_rank(0, 0.010), _rank(1, 0.030), _rank(2, 0.011)])
+    assert len(lines) == 1 and "rank 1" in lines[0]
+    assert w.update([_rank(0, 0.010), _rank(1, 0.030), _rank(2, 0.011)]) == []  # once per rank
+    assert StragglerWatch().update([_rank(0, 0.010), _rank(1, 0.011)]) == []
+
+
+def test_step_timer_window():
+    t = StepTimer()
+    for part in ("data", "forward", "backward", "optimizer", "other"):
+        t.mark(part)
+    t.steps = 1
+    w = t.window()
+    assert set(w) >= {"data_s", "forward_s", "backward_s", "optimizer_s", "other_s", "step_s", "local_s"}
+    assert w["local_s"] == pytest.approx(w["step_s"] - w["backward_s"])
+
+
+@pytest.mark.slow
+def test_slowed_rank_is_named_and_stands_out_in_report(tmp_path):
+    res = ok(torchrun(["-m", "ddp_kit.train", "--epochs", "3", "--log_every", "5", "--progress", "false",
+                       "--run_dir", str(tmp_path), "--inject", "slow:rank=1:step=1:ms=15"], nproc=2))
+    warnings = [line for line in res.stdout.splitlines() if "straggler" in line]
+    assert len(warnings) == 1 and "rank 1" in warnings[0], res.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["event"] == "train"]
+    assert all(len(r["ranks"]) == 2 for r in train)
+    late = train[-1]["ranks"]
+    assert late[1]["local_s"] > late[0]["local_s"] + 0.010
+    assert {"data_s", "forward_s", "backward_s", "optimizer_s", "samples_per_s", "peak_mem_mb", "host"} <= set(late[0])
+    rep = ok(run_cmd([sys.executable, "-m", "ddp_kit.report", str(tmp_path)]))
+    assert (tmp_path / "report.png").stat().st_size > 10_000 and "report.png" in rep.stdout
+    rows = (tmp_path / "report.csv").read_text().splitlines()
+    assert rows[0].startswith("step,epoch,rank") and len(rows) == 1 + 2 * len(train)
+
+
+def test_run_without_tensorboard_is_quiet(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    res = ok(run_cmd([sys.executable, "-m", "ddp_kit.train", "--epochs", "1", "--progress", "false",
+                      "--run_dir", str(tmp_path)]))
+    out = (res.stdout + res.stderr).replace(str(tmp_path), "RUN_DIR").lower()
+    assert "tensorboard" not in out and "warning" not in out
+    assert not (tmp_path / "tb").exists() and read_json(tmp_path / "summary.json")["steps"] == 22
