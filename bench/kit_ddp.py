@@ -29,7 +29,7 @@ def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, se
     loop.train_step = timed
     cfg = resolve(None, {"model": "mlp", "dataset": "synthetic", "synthetic_size": size, "batch_size": batch_size,
                          "lr": lr, "seed": seed, "max_steps": steps, "epochs": 10_000, "progress": False,
-                         "eval_every_epoch": False, "ckpt_every": 0, "resume": "never", "log_every": 100,
+                         "eval_every_epoch": False, "ckpt_every": 0, "resume": "never",
                          "run_dir": os.path.join(os.path.dirname(out), "kit_run"), **flags})
     summary = run(cfg)
     if summary["world_size"] and int(os.environ.get("RANK", "0")) == 0:

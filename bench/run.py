@@ -2,8 +2,9 @@
 
     python bench/run.py [--rounds 5] [--steps 300] [--worlds 1,2]
 
-Each round launches, in turn, raw_ddp.py, kit_ddp.py (defaults: sync checks and watchdog on) and
-kit_ddp.py with the sync checks and watchdog off, each under `torchrun --standalone`. Step time =
+Each round launches, in turn, raw_ddp.py, kit_ddp.py (defaults: sync checks, watchdog and per-rank
+metrics on), kit_ddp.py with the sync checks and watchdog off, and kit_ddp.py with the per-rank
+metrics off, each under `torchrun --standalone` (order reversed every other round). Step time =
 wall time between consecutive step ends (data loading and all loop bookkeeping included), median
 over steps after the first `--skip`. Writes bench/results.json and the table in BENCHMARKS.md.
 """
@@ -26,6 +27,7 @@ VARIANTS = {
     "raw": ["raw_ddp.py"],
     "kit": ["kit_ddp.py"],
     "kit_no_checks": ["kit_ddp.py", "--sync_check_every", "0", "--hang_timeout_s", "0"],
+    "kit_no_rank_metrics": ["kit_ddp.py", "--rank_metrics", "false"],
 }
 
 
@@ -60,13 +62,15 @@ def main(rounds: int = 5, steps: int = 300, skip: int = 20, worlds: str = "1,2",
             med = {v: [step_median(x["ends"], skip) for x in runs[v]] for v in VARIANTS}
             ratio = statistics.median(k / r for k, r in zip(med["kit"], med["raw"]))
             checks = statistics.median(k / n for k, n in zip(med["kit"], med["kit_no_checks"]))
-            same = {x["param_sha256"] for x in runs["raw"] + runs["kit"] + runs["kit_no_checks"]}
+            rank_metrics = statistics.median(k / n for k, n in zip(med["kit"], med["kit_no_rank_metrics"]))
+            same = {x["param_sha256"] for v in VARIANTS for x in runs[v]}
             row = {
                 "world": world,
                 "raw_step_ms": statistics.median(med["raw"]) * 1e3,
                 "kit_step_ms": statistics.median(med["kit"]) * 1e3,
                 "ratio_kit_raw": ratio,
                 "checks_cost": checks - 1,
+                "rank_metrics_cost": rank_metrics - 1,
                 "bitwise_equal": len(same) == 1,
                 "raw_first_step_s": statistics.median(x["first_step_after_launch_s"] for x in runs["raw"]),
                 "kit_first_step_s": statistics.median(x["first_step_after_launch_s"] for x in runs["kit"]),
@@ -93,15 +97,16 @@ def write_markdown(path: Path, rows: list[dict], ckpt: dict | None, rounds: int,
         "DDP, same model, data, seed and global batch), launched the same way and alternated in one run.", "",
         f"Machine: {machine}. Work: MLP (3072-256-10) on synthetic 3x32x32 data, global batch 128, {steps} steps,",
         f"{rounds} rounds, step time = median gap between step ends after the first {skip} steps.",
-        "ddp_kit runs with its defaults on (sync check every 100 steps, hang watchdog); `checks cost` compares",
-        "it with the same loop with both off.", "",
+        "ddp_kit runs with its defaults on (sync check every 100 steps, hang watchdog, per-rank metrics at",
+        "every log event, every 50 steps); the cost columns compare it with the same loop with that feature off (median of per-round",
+        "ratios; negative means within noise).", "",
         "Reproduce: `python bench/ckpt_bench.py --out bench/ckpt_results.json && python bench/run.py`", "",
-        "| ranks | raw step (ms) | ddp_kit step (ms) | ratio ddp_kit/raw | sync check + watchdog cost | weights bitwise equal | launch to first step, raw / ddp_kit (s) | peak RSS rank 0, raw / ddp_kit (MB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks | raw step (ms) | ddp_kit step (ms) | ratio ddp_kit/raw | sync check + watchdog cost | per-rank metrics cost | weights bitwise equal | launch to first step, raw / ddp_kit (s) | peak RSS rank 0, raw / ddp_kit (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['world']} | {r['raw_step_ms']:.3f} | {r['kit_step_ms']:.3f} | {r['ratio_kit_raw']:.3f} | "
-                     f"{r['checks_cost'] * 100:+.1f}% | {'yes' if r['bitwise_equal'] else 'NO'} | "
+                     f"{r['checks_cost'] * 100:+.1f}% | {r['rank_metrics_cost'] * 100:+.1f}% | {'yes' if r['bitwise_equal'] else 'NO'} | "
                      f"{r['raw_first_step_s']:.2f} / {r['kit_first_step_s']:.2f} | {r['raw_peak_rss_mb']:.0f} / {r['kit_peak_rss_mb']:.0f} |")
     if ckpt:
         m, q = ckpt["median_s"], ckpt["ratio_to_torch_save"]

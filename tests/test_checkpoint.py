@@ -1,6 +1,5 @@
 """Checkpoints with real processes: exact resume after kills, corrupt and partial checkpoints, elastic world size."""
 import os
-import shutil
 import signal
 import subprocess
 import sys

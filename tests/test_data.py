@@ -1,6 +1,5 @@
 """Sharding: disjoint per-rank shards covering each global batch, reshuffle per epoch, exact eval, resumable position."""
 import json
-import sys
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ok, run_cmd, torchrun
+from conftest import run_cmd, torchrun
 from ddp_kit.doctor.checks import (FAIL, OK, SKIP, WARN, bf16, cuda_availability, diagnose, driver_version, exit_code,
                                    gpu_arch, gpu_memory_taken, limits, local_rank_fits, master, nccl, shm, slurm_gpus,
                                    versions, visible_devices)

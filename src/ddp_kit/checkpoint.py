@@ -18,10 +18,8 @@ exists and matches its files counts as a checkpoint.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import queue
 import random
 import shutil
 import threading
@@ -34,68 +32,10 @@ import torch
 import torch.distributed as tdist
 
 from .dist import DistContext, broadcast_object
+from .durable import fsync_dir, write_durable
 from .errors import UserError
 
 MANIFEST = "manifest.json"
-
-
-class _HashingWriter(io.RawIOBase):
-    """A write-only stream that checksums what passes through it, so no second read is needed.
-
-    Each chunk is hashed in a helper thread while this thread writes it (both release the GIL on
-    large buffers), and `write` returns only when both are done: the chunk may be a view of a
-    buffer torch frees afterwards, so it is never held past the call and never copied.
-    """
-
-    def __init__(self, f):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-        self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._t = threading.Thread(target=self._hash, daemon=True)
-        self._t.start()
-
-    def _hash(self) -> None:
-        while (chunk := self._todo.get()) is not None:
-            self.sha.update(chunk)
-            self._done.put(True)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self._todo.put(b)
-        n = self.f.write(b)
-        self._done.get()
-        self.size += len(b) if not isinstance(b, memoryview) else b.nbytes
-        return n
-
-    def digest(self) -> str:
-        self._todo.put(None)
-        self._t.join()
-        return self.sha.hexdigest()
-
-
-def _write(path: Path, obj: Any, delay_s: float = 0.0) -> dict:
-    """torch.save `obj` (or dump JSON for dicts destined to .json) durably; return {size, sha256}."""
-    with open(path, "wb") as raw:
-        w = _HashingWriter(raw)
-        if path.suffix == ".json":
-            w.write(json.dumps(obj, indent=1, sort_keys=True).encode())
-        else:
-            torch.save(obj, w)
-        if delay_s:
-            time.sleep(delay_s)  # test hook: make the window for a kill-during-save wide
-        raw.flush()
-        os.fsync(raw.fileno())
-    return {"size": w.size, "sha256": w.digest()}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _store() -> tdist.Store | None:
@@ -213,19 +153,19 @@ class Checkpointer:
         elif store:
             store.wait([f"{key}/ready"], _td(self.timeout_s))
         files: dict[str, dict] = {}
-        files[f"rank{rank}.pt"] = _write(tmp / f"rank{rank}.pt", per_rank, self.write_delay_s)
+        files[f"rank{rank}.pt"] = write_durable(tmp / f"rank{rank}.pt", per_rank, self.write_delay_s)
         if self.ctx.is_main:
-            files["model.pt"] = _write(tmp / "model.pt", shared["model"], self.write_delay_s)
-            files["train_state.pt"] = _write(tmp / "train_state.pt", {k: v for k, v in shared.items() if k != "model"})
-            files["meta.json"] = _write(tmp / "meta.json", {**meta, "step": step, "world_size": world})
+            files["model.pt"] = write_durable(tmp / "model.pt", shared["model"], self.write_delay_s)
+            files["train_state.pt"] = write_durable(tmp / "train_state.pt", {k: v for k, v in shared.items() if k != "model"})
+            files["meta.json"] = write_durable(tmp / "meta.json", {**meta, "step": step, "world_size": world})
         if store and world > 1:
             store.set(f"{key}/files/{rank}", json.dumps(files))
         if self.ctx.is_main:
             for r in range(1, world):
                 store.wait([f"{key}/files/{r}"], _td(self.timeout_s))
                 files.update(json.loads(store.get(f"{key}/files/{r}")))
-            _write(tmp / MANIFEST, {"step": step, "world_size": world, "files": files})
-            _fsync_dir(tmp)
+            write_durable(tmp / MANIFEST, {"step": step, "world_size": world, "files": files})
+            fsync_dir(tmp)
             final = self.root / name
             if final.exists():  # same step again (after a resume from an older one): replace it
                 trash = self.root / f".trash_{name}"
@@ -233,11 +173,11 @@ class Checkpointer:
                 os.replace(final, trash)
                 shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             latest_tmp = self.root / ".latest.tmp"
             latest_tmp.write_text(name + "\n")
             os.replace(latest_tmp, self.root / "latest")
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._retain(step)
             if store:
                 store.set(f"{key}/committed", "1")

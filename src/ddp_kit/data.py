@@ -192,7 +192,7 @@ def _torchvision(name: str, root: str, download: bool) -> DataSpec:
     expected = Path(root) / sub
     if not Path(root).exists() and not download:
         raise UserError(f"data_root {root!r} does not exist; {name} expects {what} in {str(expected)!r}",
-                        f"copy the files there, point --data_root at them, or add --download true")
+                        "copy the files there, point --data_root at them, or add --download true")
     if name == "mnist":
         tf = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])
         cls, shape = torchvision.datasets.MNIST, (1, 28, 28)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .durable import atomic_write_text
 
 
 class RunWriter:
@@ -61,13 +62,3 @@ def _tensorboard(log_dir: Path):
     except ImportError:
         return None
     return SummaryWriter(log_dir=str(log_dir))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -84,7 +84,7 @@ def main(run_dir: str) -> None:
         records = load(d)
         n = write_csv(records, d / "report.csv")
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401  (a clear error before plotting)
         except ImportError:
             raise UserError("matplotlib is not installed, so no report.png (report.csv was written)",
                             "pip install 'ddp_kit[report]'") from None

@@ -5,7 +5,6 @@
 Writes OUT_DIR/rank<R>.json (the summary as this rank sees it) and OUT_DIR/params_rank<R>.pt.
 """
 import json
-import sys
 from pathlib import Path
 
 import fire

@@ -1,0 +1,83 @@
+"""Durable file writes: fsync'd writes that checksum as they go, atomic replacement, directory fsync."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only stream that checksums what passes through it, so no second read is needed.
+
+    Each chunk is hashed in a helper thread while this thread writes it (both release the GIL on
+    large buffers), and `write` returns only when both are done: the chunk may be a view of a
+    buffer torch frees afterwards, so it is never held past the call and never copied.
+    """
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._hash, daemon=True)
+        self._t.start()
+
+    def _hash(self) -> None:
+        while (chunk := self._todo.get()) is not None:
+            self.sha.update(chunk)
+            self._done.put(True)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self._todo.put(b)
+        n = self.f.write(b)
+        self._done.get()
+        self.size += len(b) if not isinstance(b, memoryview) else b.nbytes
+        return n
+
+    def digest(self) -> str:
+        self._todo.put(None)
+        self._t.join()
+        return self.sha.hexdigest()
+
+
+def write_durable(path: Path, obj: Any, delay_s: float = 0.0) -> dict:
+    """torch.save `obj` (or dump JSON for dicts destined to .json) durably; return {size, sha256}."""
+    with open(path, "wb") as raw:
+        w = _HashingWriter(raw)
+        if path.suffix == ".json":
+            w.write(json.dumps(obj, indent=1, sort_keys=True).encode())
+        else:
+            torch.save(obj, w)
+        if delay_s:
+            time.sleep(delay_s)  # test hook: make the window for a kill-during-save wide
+        raw.flush()
+        os.fsync(raw.fileno())
+    return {"size": w.size, "sha256": w.digest()}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
