@@ -1,0 +1,44 @@
+"""Launch scripts and the launcher command: shell syntax, and golden files of what the launcher renders."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cmd
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = {
+    "launch_srun.sbatch": ["--layout", "srun", "--nodes", "2", "--gpus_per_node", "4", "--partition", "gpu", "--time",
+                           "02:00:00", "--dry_run", "--", "configs/default.yaml", "--epochs", "3", "--run_dir", "runs/x y"],
+    "launch_torchrun.sbatch": ["--layout", "torchrun", "--nodes", "3", "--nproc_per_node", "2", "--account", "proj",
+                               "--job_name", "sweep", "--dry_run", "--", "--run_dir", "runs/sweep_{array_task}"],
+}
+
+
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "slurm/srun.sbatch", "slurm/torchrun.sbatch", ".ci/run"])
+def test_shell_syntax(script):
+    assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
+
+
+@pytest.mark.parametrize("golden", sorted(CASES))
+def test_launcher_renders_golden_file(golden):
+    res = run_cmd([sys.executable, "-m", "ddp_kit.launch", "slurm", *CASES[golden]])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == (GOLDEN / golden).read_text()
+    rendered = GOLDEN / golden
+    assert subprocess.run(["bash", "-n", str(rendered)]).returncode == 0
+
+
+def test_launcher_bad_layout_one_line():
+    res = run_cmd([sys.executable, "-m", "ddp_kit.launch", "slurm", "--layout", "mpi", "--dry_run"])
+    assert res.returncode == 2 and res.stderr.strip().startswith("ddp_kit: error: unknown layout 'mpi'")
+
+
+def test_launch_script_refuses_bad_config_before_torchrun():
+    res = run_cmd(["bash", str(ROOT / "launch" / "torchrun.sh"), "--batch_size", "63"],
+                  env={"NPROC_PER_NODE": "2", "PYTHON": sys.executable})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "ddp_kit: error: batch_size 63 (global) does not divide into world_size 2 x grad_accum 1 "
+        "(hint: use a multiple of 2, e.g. --batch_size 62)"]
