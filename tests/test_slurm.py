@@ -114,7 +114,7 @@ def test_preemption_checkpoint_requeue_resume(cluster, reference, tmp_path, temp
     text = output(run_dir, job)
     assert info["JobState"] == "COMPLETED", text
     assert int(info.get("Restarts", 0)) == 1, info
-    assert "preempted by SIGUSR2" in text and "requeued" in text, text
+    assert "preempted by SIGUSR2" in text and "requeueing the job" in text, text
     summary = read_json(run_dir / "summary.json")
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 10
     assert summary["param_sha256"] == reference["param_sha256"]

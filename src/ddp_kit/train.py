@@ -6,6 +6,7 @@ Parse -> build -> train -> summarize, inside `distributed()`, which always tears
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -101,10 +102,14 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
             except Preempted as stop:
                 save_checkpoint(job)
                 job.ckpt.wait()
-                note = requeue() if (ctx.is_main and stop.signum == signal.SIGUSR2) else "not requeued (SIGTERM)"
+                wants_requeue = stop.signum == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ
                 if ctx.is_main:
+                    # Printed before the requeue: SLURM ends this job the moment it requeues it.
                     print(f"ddp_kit: preempted by {signal.Signals(stop.signum).name} after step {job.step}: checkpoint "
-                          f"saved; {note}; exiting with {EXIT_PREEMPTED}", file=sys.stderr, flush=True)
+                          f"saved; {'requeueing the job' if wants_requeue else 'not requeued'}; exiting with "
+                          f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
+                    if wants_requeue:
+                        print(f"ddp_kit: {requeue()}", file=sys.stderr, flush=True)
                 raise Reported(EXIT_PREEMPTED) from None
             finally:
                 job.ckpt.wait()  # never leave with an async save half-written
