@@ -73,7 +73,7 @@ def evaluate(model: nn.Module, loader, ctx: DistContext, amp: str = "off", progr
 
 def train(job: Job, writer: RunWriter) -> dict[str, Any]:
     cfg, ctx, loader = job.cfg, job.ctx, job.train_loader
-    say = _printer(ctx)
+    say = rank0_printer(ctx)
     bar = _progress(cfg, ctx, job.total_steps, job.step)
     start = last_t = time.perf_counter()
     start_step = last_step = job.step
@@ -169,7 +169,7 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
             "samples_per_s": (job.step - start_step) * cfg.batch_size / max(wall, 1e-9), **ev}
 
 
-def _printer(ctx: DistContext):
+def rank0_printer(ctx: DistContext):
     def say(msg: str, bar=None) -> None:
         if not ctx.is_main:
             return

@@ -24,7 +24,7 @@ from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
 from .faults import parse as parse_faults
 from .job import Job, build, resume, save_checkpoint
-from .loop import _printer, train
+from .loop import rank0_printer, train
 from .outputs import RunWriter
 from .preempt import EXIT_PREEMPTED, PreemptFlag, Preempted, requeue
 from .sync import check_agreement, disagreeing_ranks, param_sha256, shapes_digest
@@ -93,7 +93,7 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
                 print(f"ddp_kit: {cfg.model} on {cfg.dataset}, {ctx.world_size} rank(s) ({ctx.backend}, {ctx.device}), "
                       f"global batch {cfg.batch_size} = {ctx.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
                       f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}", flush=True)
-            resume(job, _printer(ctx))
+            resume(job, rank0_printer(ctx))
             startup_agreement(job)
             job.preempt = preempt_flag
             try:
