@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +100,6 @@ class Checkpointer:
         self.write_delay_s = write_delay_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_blocking_s = 0.0
         self._buffers: Any = None
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -110,7 +108,6 @@ class Checkpointer:
         """Write checkpoint `step`. `shared` is identical on every rank (rank 0 writes it; key "model"
         goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
         copied to CPU when async."""
-        t0 = time.perf_counter()
         self.wait()  # a second save waits for the first
         if self.async_save:
             shared = snapshot(shared, self._buffers) if self.ctx.is_main else {}
@@ -123,7 +120,6 @@ class Checkpointer:
             self._thread.start()
         else:
             self._commit(step, shared, per_rank, meta)
-        self.last_blocking_s = time.perf_counter() - t0
 
     def _run_async(self, *args) -> None:
         try:
