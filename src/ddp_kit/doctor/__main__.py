@@ -18,9 +18,12 @@ MARK = {OK: "ok  ", WARN: "WARN", FAIL: "FAIL", SKIP: "--  "}
 def _summary(facts: dict) -> list[str]:
     t, nv = facts["torch"], facts["nvidia"]
     build = f"CUDA {t['cuda']}" if t.get("cuda") else ("ROCm " + t["hip"] if t.get("hip") else "CPU-only")
+    cudnn = t.get("cudnn")
+    if isinstance(cudnn, int):  # torch reports 9.24.0 as 92400
+        cudnn = f"{cudnn // 10000}.{cudnn % 10000 // 100}.{cudnn % 100}"
     gpus = t.get("gpus") or nv["gpus"]
     lines = [f"  OS {facts['os']}, Python {facts['python']}",
-             f"  torch {t.get('version')} ({build} build), torchvision {t.get('torchvision') or '-'}, cuDNN {t.get('cudnn') or '-'}, NCCL {t.get('nccl') or '-'}",
+             f"  torch {t.get('version')} ({build} build), torchvision {t.get('torchvision') or '-'}, cuDNN {cudnn or '-'}, NCCL {t.get('nccl') or '-'}",
              f"  driver {nv.get('driver') or '-'} (supports CUDA {nv.get('driver_cuda') or '-'}), GPUs: "
              + (", ".join(f"{g['name']} {g.get('memory_total_mb', 0) / 1024:.0f} GiB sm_{str(g.get('capability', '?')).replace('.', '')}" for g in gpus) or "none"),
              f"  torch arch list: {' '.join(t.get('arch_list') or []) or '-'}",
