@@ -91,11 +91,11 @@ def torch_facts() -> dict[str, Any]:
                 free, total = torch.cuda.mem_get_info(i)
                 out["gpus"].append({"name": p.name, "memory_total_mb": total / 2**20, "memory_free_mb": free / 2**20,
                                     "capability": f"{p.major}.{p.minor}", "bf16": p.major >= 8})
-            if out["nccl_available"]:
-                v = torch.cuda.nccl.version()
-                out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         elif out["cuda"]:
             out["arch_list"] = torch.cuda.get_arch_list()
+        if out["cuda"] and out["nccl_available"]:  # the bundled NCCL answers without a GPU too
+            v = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception as exc:  # noqa: BLE001
         out["cuda_error"] = f"{type(exc).__name__}: {exc}"
     try:
