@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,10 +24,13 @@ from .sync import check_consistency
 from .wrap import autocast, sync_gradients, to_device, unwrap
 
 
-def train_step(job: Job, micro_batches: list) -> float:
-    """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss."""
+def train_step(job: Job, micro_batches: list) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss as a tensor.
+
+    No `.item()` here: on CUDA that would wait for the GPU every step. The loop reads the loss
+    once per log event."""
     cfg, model = job.cfg, job.model
-    total = 0.0
+    total = torch.zeros((), device=job.ctx.device)
     timer = job.timer
     job.progress.enter("forward/backward")
     for i, (x, y) in enumerate(micro_batches):
@@ -39,7 +43,7 @@ def train_step(job: Job, micro_batches: list) -> float:
             timer.mark("forward")
             job.scaler.scale(loss).backward()
             timer.mark("backward")
-        total += loss.detach().item()
+        total += loss.detach().float()
     job.progress.enter("optimizer")
     job.scaler.step(job.optimizer)
     job.scaler.update()
@@ -107,29 +111,22 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                 bar.update(1)
             timer = job.timer
             if job.preempt is not None and job.step % cfg.preempt_check_every == 0:
-                progress.enter("preemption check")
-                timer.mark("other")
-                signum = agreed_signal(ctx, job.preempt)
-                timer.mark("comm")
+                with waiting_on_ranks(job, "preemption check"):
+                    signum = agreed_signal(ctx, job.preempt)
                 if signum:
                     raise Preempted(signum)
             if cfg.sync_check_every and job.step % cfg.sync_check_every == 0:
-                progress.enter("sync check")
-                timer.mark("other")
-                warning = check_consistency(ctx, job.model, job.step, cfg.sync_fix)
-                timer.mark("comm")
+                with waiting_on_ranks(job, "sync check"):
+                    warning = check_consistency(ctx, job.model, job.step, cfg.sync_fix)
                 if warning:
                     say(f"ddp_kit: warning: {warning}", bar)
             if cfg.ckpt_every and job.step % cfg.ckpt_every == 0:
-                timer.mark("other")
-                save_checkpoint(job)
-                timer.mark("comm")
+                with waiting_on_ranks(job, None):  # save_checkpoint announces its own phase
+                    save_checkpoint(job)
             if job.step % cfg.log_every == 0 or job.step == job.total_steps:
-                progress.enter("log all-reduce")
-                timer.mark("other")
                 now = time.perf_counter()
-                (loss,) = all_reduce_sum(ctx, [window_loss / max(window_n, 1)])
-                timer.mark("comm")
+                with waiting_on_ranks(job, "log all-reduce"):
+                    (loss,) = all_reduce_sum(ctx, [float(window_loss) / max(window_n, 1)])
                 record = {"event": "train", "step": job.step, "epoch": epoch, "loss": loss / ctx.world_size,
                           "lr": job.scheduler.get_last_lr()[0],
                           "samples_per_s": (job.step - last_step) * cfg.batch_size / max(now - last_t, 1e-9)}
@@ -139,8 +136,9 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                     if job.peak_tflops:
                         record["mfu"] = record["model_tflops_per_s"] / (job.peak_tflops * ctx.world_size)
                 if cfg.rank_metrics:
-                    record["ranks"] = gather_ranks(ctx, timer.window(), job.train_loader.micro_batch * cfg.grad_accum)
-                    timer.mark("comm")
+                    window = timer.window()
+                    with waiting_on_ranks(job, "log all-reduce"):
+                        record["ranks"] = gather_ranks(ctx, window, job.train_loader.micro_batch * cfg.grad_accum)
                     for line in job.stragglers.update(record["ranks"]):
                         say(f"ddp_kit: warning: {line}", bar)
                 writer.log(record)
@@ -167,6 +165,17 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
     # The final step is always logged, so the last logged loss is the last window's mean over ranks.
     return {"train_loss_last_window": logged_loss, "wall_s": wall,
             "samples_per_s": (job.step - start_step) * cfg.batch_size / max(wall, 1e-9), **ev}
+
+
+@contextmanager
+def waiting_on_ranks(job: Job, phase: str | None):
+    """A block that waits for the other ranks (a collective): announced to the watchdog, and timed as
+    "comm" so that this rank's own-work figure (and so the straggler check) leaves the wait out."""
+    if phase:
+        job.progress.enter(phase)
+    job.timer.mark("other")
+    yield
+    job.timer.mark("comm")
 
 
 def rank0_printer(ctx: DistContext):
