@@ -1,4 +1,5 @@
 """Checkpoints with real processes: exact resume after kills, corrupt and partial checkpoints, elastic world size."""
+import json
 import os
 import signal
 import subprocess
@@ -129,7 +130,39 @@ def test_resume_never_and_explicit_path(tmp_path, reference):
     assert "resumed" not in res.stdout
     assert read_json(tmp_path / "summary.json")["param_sha256"] == reference[1]["param_sha256"]
     bad = run_cmd([sys.executable, *train_args(tmp_path, "--resume", str(tmp_path / "nope"))])
-    assert bad.returncode == 2 and "cannot be resumed" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    half = tmp_path / "checkpoints" / "half"
+    half.mkdir()
+    bad = run_cmd([sys.executable, *train_args(tmp_path, "--resume", str(half))])
+    assert bad.returncode == 2 and "cannot be resumed: no manifest" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", ["never", "older"])
+def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, reference, restart):
+    """A run abandoned at step 20 (by --resume never, or by resuming from its step 5) must not be
+    picked up again by the next crash's auto-resume: `latest` wins, higher steps are archived."""
+    # A constant LR: a resume that changes max_steps then computes exactly what an uninterrupted run does.
+    const = ("--keep_last", "0", "--lr_schedule", "constant")
+    job(tmp_path / "ref", 1, *const)
+    run = tmp_path / "run"
+    job(run, 1, *const, "--inject", "kill:rank=0:step=21", expect_ok=False)  # leaves step_5 .. step_20
+    if restart == "never":  # a fresh start that crashes at step 13
+        job(run, 1, *const, "--resume", "never", "--inject", "kill:rank=0:step=13", expect_ok=False)
+        own = 10
+    else:  # a resume from step_10 that stops at step 17 (faults do not fire in a resumed run)
+        job(run, 1, *const, "--resume", str(run / "checkpoints" / "step_10"), "--max_steps", "17")
+        own = 17
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == f"step_{own}"
+    assert not (ckpts / "step_20").exists() and list((run / "archive").glob("*/step_20")), \
+        sorted(p.name for p in ckpts.iterdir())
+    res = job(run, 1, *const)  # auto: continues the restarted run, not the abandoned step 20
+    assert f"checkpoints/step_{own} " in res.stdout, res.stdout
+    assert read_json(run / "summary.json")["param_sha256"] == read_json(tmp_path / "ref" / "summary.json")["param_sha256"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["event"] == "train"]
+    assert steps == sorted(set(steps)), f"metrics.jsonl repeats steps after a resume: {steps}"
 
 
 def test_checkpoint_cli_list_and_export(tmp_path):

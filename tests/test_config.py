@@ -1,9 +1,10 @@
 """Config precedence and strictness, and the one-line errors of the CLI (real processes)."""
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import run_cmd, torchrun
+from conftest import ok, read_json, run_cmd, torchrun
 from ddp_kit.config import TrainConfig, resolve
 from ddp_kit.errors import UserError
 
@@ -59,6 +60,76 @@ def test_shipped_configs_resolve():
         resolve(str(f))
 
 
+def _yaml(tmp_path, text, encoding="utf-8"):
+    f = tmp_path / "c.yaml"
+    f.write_text(text, encoding=encoding)
+    return str(f)
+
+
+def test_yaml_duplicate_key_names_both_lines(tmp_path):
+    with pytest.raises(UserError, match=r"'lr' is given twice in .*c\.yaml' \(lines 2 and 4\)"):
+        resolve(_yaml(tmp_path, "epochs: 2\nlr: 0.1\nseed: 1\nlr: 0.2\n"))
+
+
+def test_yaml_merge_key_override_is_not_a_duplicate(tmp_path):
+    cfg = resolve(_yaml(tmp_path, "<<: {epochs: 2, lr: 0.1}\nlr: 0.2\n"))
+    assert (cfg.epochs, cfg.lr) == (2, 0.2)
+
+
+@pytest.mark.parametrize("text", ["amp: off\n", "amp: OFF\n", "amp: no\n"])
+def test_yaml_boolean_off_for_a_choice_key(tmp_path, text):
+    assert resolve(_yaml(tmp_path, text)).amp == "off"
+
+
+def test_boolean_maps_to_on_off_only_where_choices_say_so(tmp_path):
+    assert resolve(None, {"amp": False}).amp == "off"  # fire turns `--amp False` into a bool
+    with pytest.raises(UserError, match="'amp' must be one of off, bf16, fp16; got 'on'"):
+        resolve(_yaml(tmp_path, "amp: on\n"))
+    with pytest.raises(UserError, match="'run_dir' expects str, got False"):  # YAML's `run_dir: no`
+        resolve(_yaml(tmp_path, "run_dir: no\n"))
+
+
+def test_yaml_non_string_key_named(tmp_path):
+    with pytest.raises(UserError, match="unknown config key '1'"):
+        resolve(_yaml(tmp_path, "1: 2\n"))
+
+
+def test_yaml_not_utf8_named(tmp_path):
+    path = _yaml(tmp_path, "epochs: 2\n", encoding="utf-16")
+    with pytest.raises(UserError, match="not UTF-8 text") as err:
+        resolve(path)
+    assert path in err.value.message and "UTF-16" in err.value.message and "UTF-8" in err.value.hint
+
+
+def test_yaml_utf8_bom_accepted(tmp_path):
+    assert resolve(_yaml(tmp_path, "epochs: 2\n", encoding="utf-8-sig")).epochs == 2
+
+
+def test_config_path_is_a_folder(tmp_path):
+    with pytest.raises(UserError, match="is a folder"):
+        resolve(str(tmp_path))
+
+
+def _unreadable_file(tmp_path):
+    f = Path(_yaml(tmp_path, "epochs: 2\n"))
+    f.chmod(0)
+    try:
+        f.read_bytes()
+    except PermissionError:
+        return f
+    proc = Path("/proc/self/clear_refs")  # root reads any mode; this file refuses reads (EINVAL)
+    if proc.is_file():
+        return proc
+    pytest.skip("no unreadable file available to this user")
+
+
+def test_config_file_unreadable(tmp_path):
+    f = _unreadable_file(tmp_path)
+    with pytest.raises(UserError, match="cannot be read") as err:
+        resolve(str(f))
+    assert str(f) in err.value.message
+
+
 def _train(*args, **kw):
     return run_cmd([sys.executable, "-m", "ddp_kit.train", *args], timeout=120, **kw)
 
@@ -95,7 +166,98 @@ def test_torchrun_batch_not_divisible_printed_once(tmp_path):
     assert len(ours) == 1 and "world_size 2" in ours[0], res.stderr
 
 
+@pytest.mark.parametrize("case", ["duplicate", "utf16", "folder", "unreadable"])
+def test_cli_bad_config_file_one_line_exit_2(case, tmp_path):
+    if case == "duplicate":
+        path, needles = _yaml(tmp_path, "lr: 0.1\nlr: 0.2\n"), ["'lr'", "lines 1 and 2"]
+    elif case == "utf16":
+        path, needles = _yaml(tmp_path, "epochs: 2\n", encoding="utf-16"), ["not UTF-8"]
+    elif case == "folder":
+        path, needles = str(tmp_path), ["is a folder"]
+    else:
+        path, needles = str(_unreadable_file(tmp_path)), ["cannot be read"]
+    _one_line_error(_train(path, "--dry_run", "true", "--run_dir", str(tmp_path / "r")), path, *needles)
+
+
+def test_cli_yaml_amp_off_dry_run(tmp_path):
+    res = ok(_train(_yaml(tmp_path, "amp: off\n"), "--dry_run", "true", "--run_dir", str(tmp_path / "r")))
+    assert "amp: 'off'" in res.stdout or "amp: off" in res.stdout
+
+
 def test_dry_run_prints_resolved_config(tmp_path):
     res = _train("--dry_run", "--lr", "0.5", "--run_dir", str(tmp_path / "r"))
     assert res.returncode == 0 and "lr: 0.5" in res.stdout and "per-rank micro-batch 64" in res.stdout
     assert not (tmp_path / "r").exists()
+
+
+# ---- resuming with a changed recipe ----------------------------------------------------------------
+
+def test_recipe_changes_split_refused_and_allowed():
+    from ddp_kit.config import recipe_changes
+
+    saved = resolve(None, {"inject": "kill:rank=0:step=3"}).to_dict()
+    current = resolve(None, {"lr": 0.01, "optimizer": "sgd", "epochs": 30, "log_every": 7, "resume": "never"}).to_dict()
+    refused, allowed = recipe_changes(saved, current)
+    assert refused == {"lr": (0.003, 0.01), "optimizer": ("adamw", "sgd")}
+    # resume and inject differ on every recovery and are never applied to it: not reported
+    assert allowed == {"epochs": (20, 30), "log_every": (50, 7)}
+
+
+def test_recipe_changes_ignores_keys_one_side_lacks():
+    from ddp_kit.config import recipe_changes
+
+    saved = {k: v for k, v in resolve(None, {}).to_dict().items() if k != "momentum"}
+    saved["removed_key"] = 1
+    assert recipe_changes(saved, resolve(None, {"momentum": 0.5}).to_dict()) == ({}, {})
+
+
+def test_resumable_keys_are_config_keys():
+    from ddp_kit.config import FIELDS, NOT_RECIPE, RESUMABLE
+
+    assert RESUMABLE <= set(FIELDS) and NOT_RECIPE <= RESUMABLE
+    assert not {"lr", "optimizer", "batch_size", "seed", "model", "dataset", "amp", "lr_schedule"} & RESUMABLE
+
+
+ONE_EPOCH = ["--epochs", "1", "--lr_schedule", "constant", "--ckpt_every", "5", "--log_every", "5", "--progress", "false"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One epoch (22 steps) of adamw at lr 0.003, finished: its last checkpoint is step_22."""
+    d = tmp_path_factory.mktemp("finished") / "run"
+    ok(_train(*ONE_EPOCH, "--run_dir", str(d)))
+    return d
+
+
+def _rerun(finished_run, tmp_path, *args):
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    return d, _train(*ONE_EPOCH, "--run_dir", str(d), *args)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--lr", "0.01"], ["lr 0.003 -> 0.01"]),
+    (["--optimizer", "sgd"], ["optimizer adamw -> sgd"]),  # was KeyError: 'momentum' with a traceback
+    (["--lr", "0.01", "--seed", "3", "--batch_size", "32"], ["lr 0.003 -> 0.01", "seed 0 -> 3", "batch_size 64 -> 32"]),
+])
+def test_resume_with_changed_recipe_refused(finished_run, tmp_path, args, needles):
+    d, res = _rerun(finished_run, tmp_path, *args)
+    line = _one_line_error(res, "step_22", "--run_dir", "--resume never", *needles)
+    assert "epochs" not in line and "run_dir" not in line.split("(hint")[0]
+    assert sorted(p.name for p in (d / "checkpoints").glob("step_*")) == ["step_15", "step_20", "step_22"]
+    assert (d / "summary.json").read_text() == (finished_run / "summary.json").read_text()
+
+
+def test_resume_with_more_epochs_continues(finished_run, tmp_path):
+    d, res = _rerun(finished_run, tmp_path, "--epochs", "2")
+    ok(res)
+    resumed = [line for line in res.stdout.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and "step 22" in resumed[0] and "epochs 1 -> 2" in resumed[0], res.stdout
+    summary = read_json(d / "summary.json")
+    assert summary["steps"] == 44 and summary["resumed_from_step"] == 22
+    # with a constant LR, one epoch then one more is the same computation as two at once
+    ref = tmp_path / "ref"
+    ok(_train(*ONE_EPOCH, "--epochs", "2", "--run_dir", str(ref)))
+    assert summary["param_sha256"] == read_json(ref / "summary.json")["param_sha256"]

@@ -50,28 +50,50 @@ def output(run_dir, job_id) -> str:
     return p.read_text(errors="replace") if p.exists() else ""
 
 
+def describe(cluster, jobs: dict, out_dirs: dict) -> str:
+    """Why a job ended as it did: each task's state, reason, exit code, restarts and the tail of its
+    output, so that a failure in CI can be diagnosed from the log alone."""
+    lines = []
+    for key, job in jobs.items():
+        info = cluster.job(job)
+        fields = " ".join(f"{k}={info.get(k)}" for k in ("JobId", "ArrayTaskId", "JobState", "Reason", "ExitCode",
+                                                           "Restarts", "RunTime"))
+        tail = output(out_dirs[key], info.get("JobId", job))[-2500:]
+        lines.append(f"--- {job}: {fields}\n{tail}")
+    return "\n".join(lines)
+
+
 def warn_job(cluster, job: str, run_dir, attempts: int = 3) -> None:
-    """Send the preemption warning as `scancel --signal=USR2 --full`. Once in a full-module run the
-    signal was not seen by any process of the job; resend (at most `attempts` times) until the batch
-    script's trap reports it, so that a lost delivery is retried rather than mistaken for our bug."""
+    """Send the preemption warning as `scancel --signal=USR2 --full` and confirm that it arrived.
+
+    Once in a full-module run the signal was seen by no process of the job; so resend (at most
+    `attempts` times) until the batch script's trap reports it, and a lost delivery is retried rather
+    than mistaken for our bug. `job` may be an array task (`ARRAY_TASK`): its output file is named by
+    the task's own JobId."""
+    job_id = cluster.job(job).get("JobId", job)
     for _ in range(attempts):
         cluster.run(["scancel", "--signal=USR2", "--full", job])
         end = time.monotonic() + 5
         while time.monotonic() < end:
-            if "got SIGUSR2" in output(run_dir, job.split("_")[0] if "_" not in job else job) or \
-                    cluster.job(job).get("JobState") != "RUNNING":
+            if "got SIGUSR2" in output(run_dir, job_id) or cluster.job(job).get("JobState") != "RUNNING":
                 return
             time.sleep(0.2)
+    raise AssertionError(f"USR2 never reached job {job} in {attempts} tries: {cluster.job(job)}")
 
 
 def release_requeued(cluster, job: str, timeout: float = 120) -> None:
     """SLURM holds a requeued batch job for ~2 minutes (BeginTime) before it may start again; a test
-    need not wait that out: once the requeue has happened, make it eligible now, as an admin could."""
+    need not wait that out: once the requeue has happened, make it eligible soon, as an admin could.
+
+    Not `StartTime=now`: that restarted the job within the second its old credential was revoked,
+    and slurmd refused it ("Job credential revoked", the job FAILED with exit 1 and no output;
+    1 in 10 runs). slurmd compares the new credential's creation time, in whole seconds, with the
+    revocation time, so the restart must begin a few seconds later. This is SLURM's own timing."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         info = cluster.job(job)
         if int(info.get("Restarts", 0)) >= 1 and info.get("JobState") == "PENDING":
-            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], check=False)
             return
         if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
             return
@@ -125,11 +147,12 @@ def test_preemption_array_task_requeues_only_itself(cluster, reference, tmp_path
     job = submit(cluster, "srun.sbatch", base, *SLOW, sbatch=["--array=0-1"])
     tasks = {i: f"{job}_{i}" for i in range(2)}
     wait_step(tmp_path / "sweep_1", 10)
-    cluster.run(["scancel", "--signal=USR2", "--full", tasks[1]])
+    warn_job(cluster, tasks[1], base)
     release_requeued(cluster, tasks[1])
     infos = {i: cluster.wait_job(t, timeout=300) for i, t in tasks.items()}
-    assert all(info["JobState"] == "COMPLETED" for info in infos.values()), infos
-    assert int(infos[0].get("Restarts", 0)) == 0 and int(infos[1].get("Restarts", 0)) == 1
+    why = describe(cluster, tasks, {i: base for i in tasks})
+    assert all(info["JobState"] == "COMPLETED" for info in infos.values()), why
+    assert int(infos[0].get("Restarts", 0)) == 0 and int(infos[1].get("Restarts", 0)) == 1, why
     for i in range(2):
         summary = read_json(tmp_path / f"sweep_{i}" / "summary.json")
         assert summary["param_sha256"] == reference["param_sha256"]

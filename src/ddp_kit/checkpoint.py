@@ -17,31 +17,26 @@ exists and matches its files counts as a checkpoint.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as tdist
 
 from .dist import DistContext, broadcast_object
 from .durable import fsync_dir, write_durable
 from .errors import UserError
 
 MANIFEST = "manifest.json"
-
-
-def _store() -> tdist.Store | None:
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist.distributed_c10d._get_default_store()
-    return None
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:
@@ -109,6 +104,13 @@ class Checkpointer:
         goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
         copied to CPU when async."""
         self.wait()  # a second save waits for the first
+        if self.ctx.is_main and "model" in shared:
+            bad = nonfinite_tensors(shared["model"])
+            if bad:  # never let NaN weights become `latest` and push the last finite ones out
+                raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite "
+                                f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); last checkpoint: "
+                                f"{_latest_name(self.root)}",
+                                "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
         if self.async_save:
             shared = snapshot(shared, self._buffers) if self.ctx.is_main else {}
             per_rank = snapshot(per_rank)
@@ -120,6 +122,9 @@ class Checkpointer:
             self._thread.start()
         else:
             self._commit(step, shared, per_rank, meta)
+
+    def latest_name(self) -> str:
+        return _latest_name(self.root)
 
     def _run_async(self, *args) -> None:
         try:
@@ -137,10 +142,31 @@ class Checkpointer:
             raise err
 
     def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict) -> None:
+        try:
+            self._commit_files(step, shared, per_rank, meta)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # Nothing half-written stays behind; the committed checkpoints are untouched.
+            tmp = self.root / f".tmp_step_{step}"
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                (tmp / f"rank{self.ctx.rank}.pt").unlink(missing_ok=True)
+            need = _nbytes(shared) + _nbytes(per_rank)
+            free = shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
+            # The run stops: a run that cannot checkpoint cannot survive a preemption or a crash, and
+            # hours of training with no restart point is the worse surprise. The rerun resumes.
+            raise UserError(f"disk full while writing checkpoint step_{step} to {str(self.root)!r}: it needs about "
+                            f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; last checkpoint: {_latest_name(self.root)}",
+                            "free space on that disk, or lower --keep_last; then rerun the same command to resume",
+                            local=True) from None
+
+    def _commit_files(self, step: int, shared: dict, per_rank: dict, meta: dict) -> None:
         rank, world = self.ctx.rank, self.ctx.world_size
         name = f"step_{step}"
         tmp = self.root / f".tmp_{name}"
-        store = _store()
+        store = self.ctx.store
         key = f"ddp_kit/ckpt/{name}"
         if self.ctx.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -174,10 +200,7 @@ class Checkpointer:
                 shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, final)
             fsync_dir(self.root)
-            latest_tmp = self.root / ".latest.tmp"
-            latest_tmp.write_text(name + "\n")
-            os.replace(latest_tmp, self.root / "latest")
-            fsync_dir(self.root)
+            _point_latest(self.root, name)
             self._retain(step)
             if store:
                 store.set(f"{key}/committed", "1")
@@ -227,6 +250,27 @@ class Checkpointer:
         return shared, per_rank, meta
 
 
+def nonfinite_tensors(state: dict) -> list[str]:
+    """Names of the floating tensors in `state` holding NaN or inf."""
+    return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and not bool(torch.isfinite(v).all())]
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _latest_name(root: Path) -> str:
+    step = read_latest(root)
+    return f"step_{step}" if step is not None else "none yet"
+
+
 def _td(seconds: float):
     from datetime import timedelta
 
@@ -273,22 +317,66 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path, str | None]]:
     return [(s, root / f"step_{s}", validate(root / f"step_{s}")) for s in sorted(_steps(root), reverse=True)]
 
 
+def read_latest(root: Path) -> int | None:
+    """The step `latest` names, or None when there is no (readable) `latest`."""
+    try:
+        name = (root / "latest").read_text().strip()
+    except OSError:
+        return None
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def _choose(root: Path, resume: str, warn: Callable[[str], None]) -> tuple[str, int] | None:
+    """resume=auto: the checkpoint `latest` names, once validated. Only when it is damaged, the newest
+    valid one below it. Steps above `latest` belong to a run that was abandoned (`--resume never`, or
+    a resume from an older checkpoint) and are never chosen."""
     if resume == "never":
         return None
     if resume != "auto":
         path = Path(resume)
+        if not path.exists():
+            raise UserError(f"checkpoint {str(path)!r} does not exist",
+                            "pick one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
         reason = validate(path)
         if reason:
             raise UserError(f"checkpoint {str(path)!r} cannot be resumed: {reason}",
                             "pick a valid one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
         meta = json.loads((path / "meta.json").read_text())
         return str(path), int(meta["step"])
+    latest = read_latest(root)
     for step, path, reason in list_checkpoints(root):
+        if latest is not None and step > latest:
+            continue
         if reason is None:
             return str(path), step
         warn(f"checkpoint {path.name} is not usable ({reason}); falling back to an older one")
     return None
+
+
+def archive_abandoned(root: Path, keep_upto: int | None, archive_root: Path) -> list[int]:
+    """Move every step above `keep_upto` (all of them when None: a fresh start) out of `root`, into
+    `archive_root/<time>/`, and point `latest` at `keep_upto`. Nothing is deleted: a wrong
+    `--resume never` can be undone by moving the folders back. Returns the steps moved."""
+    moved = sorted(s for s in _steps(root) if keep_upto is None or s > keep_upto)
+    if moved:
+        dest = archive_root / time.strftime("%Y%m%dT%H%M%S")
+        dest.mkdir(parents=True, exist_ok=True)
+        for s in moved:
+            os.replace(root / f"step_{s}", dest / f"step_{s}")
+    if keep_upto is None:
+        (root / "latest").unlink(missing_ok=True)
+    elif moved or read_latest(root) != keep_upto:
+        _point_latest(root, f"step_{keep_upto}")
+    if moved or keep_upto is None:
+        fsync_dir(root) if root.is_dir() else None
+    return moved
+
+
+def _point_latest(root: Path, name: str) -> None:
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(name + "\n")
+    os.replace(latest_tmp, root / "latest")
+    fsync_dir(root)
 
 
 if __name__ == "__main__":  # python -m ddp_kit.checkpoint list|export ...

@@ -1,21 +1,78 @@
 """`python -m ddp_kit.checkpoint`: list a run's checkpoints with their validity; export model weights.
 
     python -m ddp_kit.checkpoint list RUN_DIR
-    python -m ddp_kit.checkpoint export RUN_DIR --out model.pt [--step N]
+    python -m ddp_kit.checkpoint export RUN_DIR --out model.pt [--step N|latest]
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from .checkpoint import list_checkpoints, validate
 from .errors import EXIT_USER_ERROR, UserError
 
+LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
+
+
+def _run_dir(run_dir: str) -> Path:
+    p = Path(str(run_dir))
+    if not p.exists():  # said plainly: "no checkpoints" would suggest the run lost them
+        raise UserError(f"RUN_DIR {str(p)!r} does not exist", "pass the run_dir of a run that saved checkpoints")
+    if not p.is_dir():
+        raise UserError(f"RUN_DIR {str(p)!r} is not a folder", "pass the run_dir of a run that saved checkpoints")
+    return p
+
 
 def _root(run_dir: str) -> Path:
-    p = Path(run_dir)
+    p = _run_dir(run_dir)
     return p / "checkpoints" if (p / "checkpoints").is_dir() else p
+
+
+def _out_path(out) -> Path:
+    """Refuse an --out that cannot be written before anything is loaded."""
+    if out is None or isinstance(out, bool):  # fire passes True for a bare `--out`
+        raise UserError("--out needs a file path", "e.g. --out model.pt")
+    p = Path(str(out))
+    folder = p.parent
+    if not folder.exists():
+        raise UserError(f"the folder of --out, {str(folder)!r}, does not exist", f"create it first: mkdir -p {folder}")
+    if not folder.is_dir():
+        raise UserError(f"--out {str(p)!r}: {str(folder)!r} is a file, not a folder", "pass --out inside an existing folder")
+    if p.is_dir():
+        raise UserError(f"--out {str(p)!r} is a folder", f"name a file, e.g. --out {p / 'model.pt'}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write into {str(folder)!r} (permission denied)", "pass --out in a folder you can write to")
+    return p
+
+
+def _step(step) -> int | str | None:
+    if step is None or step == "latest":
+        return step
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    if isinstance(step, float) and step.is_integer():  # fire reads --step 1e3 as 1000.0
+        return int(step)
+    raise UserError(f"--step expects a step number or 'latest'; got {step!r}", f"e.g. --step latest; {LIST_HINT}")
+
+
+def _latest(root: Path) -> Path:
+    """The checkpoint `root/latest` names; the save protocol writes that file last."""
+    f = root / "latest"
+    try:
+        name = f.read_text().strip()
+    except FileNotFoundError:
+        raise UserError(f"--step latest: there is no 'latest' file under {str(root)!r}", f"pass a step number; {LIST_HINT}") from None
+    except OSError as exc:
+        raise UserError(f"--step latest: cannot read {str(f)!r} ({exc.strerror or exc})", f"pass a step number; {LIST_HINT}") from None
+    if not (name.startswith("step_") and name[5:].isdigit()):
+        raise UserError(f"--step latest: {str(f)!r} does not name a checkpoint (it holds {name[:40]!r})",
+                        f"pass a step number; {LIST_HINT}")
+    if not (root / name).is_dir():
+        raise UserError(f"--step latest: {str(f)!r} names {name}, which does not exist", f"pass a step number; {LIST_HINT}")
+    return root / name
 
 
 def list_(run_dir: str) -> None:
@@ -34,26 +91,44 @@ def list_(run_dir: str) -> None:
               + (f"  -- {reason}" if reason else ""))
 
 
-def export(run_dir: str, out: str, step: int | None = None) -> None:
-    """Write the model weights of checkpoint STEP (default: newest valid) as a plain state_dict file."""
+def export(run_dir: str, out: str, step: int | str | None = None) -> None:
+    """Write the model weights of checkpoint STEP (default: newest valid; latest: the one `latest`
+    names) as a plain state_dict file."""
+    root = _run_dir(run_dir)
+    dest = _out_path(out)
+    step = _step(step)
     import torch
 
-    root = Path(run_dir)
     if (root / "manifest.json").exists() or (root / "model.pt").exists():
         path = root
+    elif step == "latest":
+        path = _latest(_root(run_dir))
     else:
         rows = [(s, p) for s, p, reason in list_checkpoints(_root(run_dir)) if reason is None]
-        rows = [(s, p) for s, p in rows if step is None or s == int(step)]
+        rows = [(s, p) for s, p in rows if step is None or s == step]
         if not rows:
-            raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {run_dir!r}",
-                            "see `python -m ddp_kit.checkpoint list RUN_DIR`")
+            raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {str(run_dir)!r}",
+                            LIST_HINT)
         path = rows[0][1]
     reason = validate(path)
     if reason:
-        raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", "export another step")
+        raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
     state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    torch.save(state, out)
-    print(f"exported {len(state)} tensors from {path} to {out}")
+    # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
+    # where an inference job would pick it up.
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write --out {str(dest)!r} ({exc.strerror or exc})",
+                        "pass --out in a folder you can write to, on a disk with free space") from None
+    print(f"exported {len(state)} tensors from {path} to {dest}")
 
 
 def main() -> None:

@@ -82,6 +82,41 @@ NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt
                         "collective_timeout_s", "hang_timeout_s", "preempt_check_every", "rank_metrics", "straggler_margin"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
+# Keys that may differ between a checkpoint and the run resuming it: how long the run goes, where
+# it executes, and its bookkeeping. Anything that changes what a step computes (model, data, batch,
+# optimizer and its settings, LR and schedule shape, precision, seed) may not: the restored optimizer
+# and scheduler would keep the old values or fail to load, and the result would carry a recipe it
+# never ran. Beyond NOT_RECIPE (logging, checkpointing, timeouts, checks, resume mode, test hooks):
+#   epochs, max_steps   lengthen or shorten the run; the LR schedule is rebuilt over the new total.
+#   data_root, download where the same dataset's files are found.
+#   device, backend     where it runs, like the world size (elastic resume): the numbers may move in
+#                       the last bits, the recipe does not.
+#   eval_every_epoch    evaluation only.
+# compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
+RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
+                                    "eval_every_epoch"})
+# These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
+_UNREPORTED = frozenset({"resume", "inject"})
+
+
+def recipe_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """A checkpoint's config against this run's: ({refused key: (old, new)}, {allowed key: (old, new)}).
+
+    Keys one side lacks (a checkpoint from another ddp_kit version) are not compared."""
+    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
+    refused = {k: c for k, c in changed.items() if k not in RESUMABLE}
+    allowed = {k: c for k, c in changed.items() if k in RESUMABLE and k not in _UNREPORTED}
+    return refused, allowed
+
+
+def describe_changes(changes: Mapping[str, tuple]) -> str:
+    """'lr 0.003 -> 0.01, optimizer adamw -> sgd'"""
+    return ", ".join(f"{k} {_show(old)} -> {_show(new)}" for k, (old, new) in changes.items())
+
+
+def _show(value: Any) -> str:
+    return "''" if value == "" else str(value)
+
 
 def _resolved_type(name: str) -> Any:
     return typing.get_type_hints(TrainConfig)[name]
@@ -98,12 +133,14 @@ def coerce(name: str, value: Any) -> Any:
         if optional:
             return None
         raise UserError(f"config key '{name}' cannot be empty", f"give a {tp.__name__}")
+    choices = FIELDS[name].metadata.get("choices")
+    if tp is str and isinstance(value, bool) and choices and {"off", "on"} & set(choices):
+        value = "on" if value else "off"  # YAML 1.1 reads an unquoted `amp: off` as False
     try:
         out = _convert(tp, value)
     except (TypeError, ValueError):
         raise UserError(f"config key '{name}' expects {tp.__name__}, got {value!r} ({type(value).__name__})",
-                        f"e.g. --{name} {_example(tp)}") from None
-    choices = FIELDS[name].metadata.get("choices")
+                        f"e.g. --{name} {choices[0] if choices else _example(tp)}") from None
     if choices and out not in choices:
         raise UserError(f"config key '{name}' must be one of {', '.join(choices)}; got {out!r}", f"e.g. --{name} {choices[0]}")
     return out
@@ -129,7 +166,7 @@ def _convert(tp: type, value: Any) -> Any:
             raise TypeError(value)
         return float(value)  # PyYAML reads 3e-4 as the string '3e-4'
     if tp is str:
-        if isinstance(value, (dict, list, tuple)):
+        if isinstance(value, (dict, list, tuple, bool)):  # a bool here is YAML's unquoted yes/no/on/off
             raise TypeError(value)
         return str(value)
     raise TypeError(tp)
@@ -142,17 +179,64 @@ def _example(tp: type) -> str:
 def _check_keys(keys, source: str) -> None:
     for key in keys:
         if key not in FIELDS:
+            key = str(key)  # YAML keys can be numbers or null
             near = [k for k in FIELDS if k.startswith(key[:3])] if len(key) >= 3 else []
             hint = f"did you mean {' or '.join(near)}?" if near else "run with --help_config to list the keys"
             raise UserError(f"unknown config key '{key}' in {source}", hint)
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice is refused: PyYAML would keep the last one silently."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` keys may be overridden, as YAML intends
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    raise UserError(f"config key {str(key)!r} is given twice in {self.name!r} (lines {first} and {line})",
+                                    "keep one of them")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_text(p: Path) -> str:
+    if p.is_dir():
+        raise UserError(f"config file {str(p)!r} is a folder", "pass a YAML file, e.g. configs/default.yaml")
     if not p.is_file():
         raise UserError(f"config file {str(p)!r} not found", "pass an existing YAML file, e.g. configs/default.yaml")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise UserError(f"config file {str(p)!r} cannot be read ({exc.strerror or exc})",
+                        "check its permissions, or pass another file") from None
+    try:
+        return raw.decode("utf-8-sig")  # -sig: editors on Windows start UTF-8 files with a BOM
+    except UnicodeDecodeError as exc:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")  # the BOM Windows tools write
+        raise UserError(f"config file {str(p)!r} is not UTF-8 text{' (it looks like UTF-16)' if utf16 else ''}: "
+                        f"byte {raw[exc.start]:#04x} at offset {exc.start}",
+                        f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {p} > {p.stem}.utf8{p.suffix}" if utf16
+                        else "save it as UTF-8 in your editor") from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    text = _read_text(p)
+    try:
+        loader = _StrictLoader(text)
+        loader.name = str(p)  # named in the duplicate-key error; PyYAML would say '<unicode string>'
+        try:
+            data = loader.get_single_data() or {}
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -10,8 +10,9 @@ import gc
 import os
 import socket
 import sys
+import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -19,7 +20,9 @@ import torch
 import torch.distributed as tdist
 
 from .env import DistEnv, detect
-from .errors import UserError
+from .errors import EXIT_USER_ERROR, UserError
+from .failfast import FailFast, post, store_prefix
+from .resources import apply_cpu_settings
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,14 @@ class DistContext:
     env: DistEnv
     device: torch.device
     backend: str
+    # The rendezvous store: lives outside the process group, so it answers while a collective hangs.
+    # None at world size 1 (nothing to tell anyone).
+    store: Any = field(default=None, compare=False)
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where small control tensors go for a collective: NCCL only moves GPU tensors."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     @property
     def rank(self) -> int:
@@ -117,7 +128,7 @@ def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
         wait_for_workers=False,
         multi_tenant=not agent_store,
     )
-    return tdist.PrefixStore(f"ddp_kit/attempt_{env.restart_count}/", store)
+    return tdist.PrefixStore(store_prefix(env.restart_count), store)
 
 
 @contextmanager
@@ -135,9 +146,17 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         nccl_defaults(dump_dir)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # before init, so NCCL never touches GPU 0 from every rank
+    apply_cpu_settings(env, dev)
     timeout = timedelta(seconds=timeout_s)
+    # Every rendezvous wait is bounded: a client connected to a foreign program on the port (or
+    # waiting for a rank that never comes) would otherwise wait with no end and no word.
+    deadline = threading.Timer(timeout_s, _rendezvous_timed_out, args=(env, timeout_s))
+    deadline.daemon = True
+    deadline.start()
+    store = failfast = None
     try:
         store = _make_store(env, timeout)
+        failfast = FailFast(store if env.world_size > 1 else None, env.rank, env.world_size).start()
         kwargs: dict[str, Any] = {}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
@@ -145,14 +164,30 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     except UserError:
         raise
     except Exception as exc:  # rendezvous failures are user-fixable far more often than not
-        raise UserError(
+        err = UserError(
             f"could not join the process group at {env.master_addr}:{env.master_port} as rank {env.rank}/{env.world_size}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
             "check that every rank can reach MASTER_ADDR:MASTER_PORT, or run `python -m ddp_kit.doctor`",
-            rank=env.rank) from exc
-    try:
-        yield DistContext(env=env, device=dev, backend=be)
+            rank=env.rank)
+        post(store, env.rank, 0, "startup", err)
+        if failfast:
+            failfast.stop()
+        raise err from exc
     finally:
+        deadline.cancel()
+    try:
+        yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None)
+    finally:
+        failfast.stop()
         teardown()
+
+
+def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:
+    print(UserError(f"the rendezvous at {env.master_addr}:{env.master_port} did not complete within init_timeout_s "
+                    f"{timeout_s:g}s as rank {env.rank}/{env.world_size}",
+                    "another program may hold that port (a stale job?) or a rank never started; use a free "
+                    "MASTER_PORT/--rdzv_endpoint port and check that every rank was launched",
+                    rank=env.rank).at(env.rank).line(), file=sys.stderr, flush=True)
+    os._exit(EXIT_USER_ERROR)
 
 
 def nccl_defaults(dump_dir: str | None) -> None:
@@ -199,7 +234,7 @@ def barrier(ctx: DistContext) -> None:
 
 def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
     """Sum a few numbers over ranks, in float64 so counts stay exact."""
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.control_device)
     if ctx.world_size > 1:
         tdist.all_reduce(t)
     return t.tolist()

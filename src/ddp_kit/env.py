@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from .errors import UserError
@@ -33,6 +33,7 @@ class DistEnv:
     job_id: str | None = None
     restart_count: int = 0
     hosts: tuple[str, ...] = ()
+    batch_job_id: str | None = None  # the scheduler's job (SLURM_JOB_ID) around us, whatever started the ranks
 
     @property
     def is_main(self) -> bool:
@@ -124,7 +125,7 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     else:
         env = _single(environ)
     _check(env)
-    return env
+    return replace(env, batch_job_id=environ.get("SLURM_JOB_ID"))
 
 
 def _slurm_step(environ: Mapping[str, str]) -> bool:

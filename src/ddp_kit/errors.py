@@ -1,24 +1,38 @@
 """Errors a user can cause, and how they reach the console: one line, once, exit code 2."""
 from __future__ import annotations
 
+import socket
 import sys
 
 
 class UserError(Exception):
     """A problem the user can fix. `str()` is the one line we print: what happened; hint: how to fix it.
 
-    `rank` is set when only that rank hit the problem (a missing file on one node); such an
-    error is printed by that rank. Otherwise rank 0 prints it and the others stay quiet.
+    `local=True` (or a `rank`) marks a problem of this rank's own view of the world (a file missing
+    on one node, a GPU it lacks): the rank that hit it prints it, with its rank and host, because
+    the others may never see it. Otherwise every rank reaches the same verdict and it is printed
+    once for the whole job.
     """
 
-    def __init__(self, message: str, hint: str = "", rank: int | None = None):
+    def __init__(self, message: str, hint: str = "", rank: int | None = None, local: bool = False):
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.rank = rank
+        self.local = local or rank is not None
+        self.host: str | None = None
+
+    def at(self, rank: int, host: str | None = None) -> "UserError":
+        """Stamp the rank (and host) that saw a local problem; returns self."""
+        if self.local:
+            self.rank = rank if self.rank is None else self.rank
+            self.host = host or socket.gethostname()
+        return self
 
     def line(self) -> str:
-        where = f"[rank {self.rank}] " if self.rank is not None else ""
+        where = ""
+        if self.rank is not None:
+            where = f"[rank {self.rank}{f' on {self.host}' if self.host else ''}] "
         hint = f" (hint: {self.hint})" if self.hint else ""
         return f"ddp_kit: error: {where}{self.message}{hint}"
 
@@ -27,6 +41,8 @@ EXIT_USER_ERROR = 2
 
 
 def report_user_error(err: UserError, rank: int) -> None:
-    """Print `err` once for the whole job: by the rank at fault, or by rank 0."""
-    if err.rank is not None or rank == 0:
+    """Print `err` once for the whole job: by the rank that saw a local problem, or by rank 0."""
+    if err.local:
+        err.at(rank)
+    if err.local or rank == 0:
         print(err.line(), file=sys.stderr, flush=True)

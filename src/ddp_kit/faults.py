@@ -3,7 +3,8 @@
 Spec (config key `inject`), comma-separated: `KIND:rank=R:step=S[:ms=M]`, e.g. `kill:rank=1:step=8`.
 Kinds: kill (SIGKILL itself), raise, hang (sleep forever), extra_collective (one all_reduce the
 others never join), perturb (add noise to its parameters), slow (sleep M ms every step from S on),
-config (that rank runs with another seed, as if it had loaded a different config file).
+config (that rank runs with another seed, as if it had loaded a different config file), nan (that
+rank's loss is NaN at step S), nodata (that rank's data_root is missing, as if on a node without the files).
 Faults fire only in a run that started from scratch on the first attempt, so a restarted or
 resumed run can show that it recovers.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
-KINDS = ("kill", "raise", "hang", "extra_collective", "perturb", "slow", "config")
+KINDS = ("kill", "raise", "hang", "extra_collective", "perturb", "slow", "config", "nan", "nodata")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class Injector:
 
     def __bool__(self) -> bool:
         return bool(self.faults)
+
+    def loss_factor(self, step: int) -> float:
+        """1.0, or NaN at the step a `nan` fault of this rank is due (multiplied into the loss)."""
+        return float("nan") if any(f.kind == "nan" and f.step == step for f in self.faults) else 1.0
 
     def at_step(self, step: int, model=None) -> None:
         """Called after each optimizer step; does nothing unless a fault of this rank is due."""

@@ -13,13 +13,14 @@ from torch import nn
 
 from . import __version__
 from .checkpoint import Checkpointer, rng_state, set_rng_state
-from .config import TrainConfig
+from .config import TrainConfig, describe_changes, recipe_changes
 from .data import TrainLoader, build_dataset, eval_loader
 from .dist import DistContext
 from .errors import UserError
 from .faults import Injector, parse as parse_faults
 from .metrics import StepTimer, StragglerWatch, model_flops_per_sample, peak_tflops
 from .models import build_model
+from .numerics import NonFiniteLoss
 from .preempt import PreemptFlag
 from .watchdog import Progress
 from .wrap import check_amp, grad_scaler, settle_ddp_buckets, unwrap, wrap_model
@@ -49,6 +50,7 @@ class Job:
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)
     flops_per_sample: float | None = None
     peak_tflops: float | None = None
+    nonfinite: NonFiniteLoss = field(default_factory=NonFiniteLoss)
 
 
 def build(cfg: TrainConfig, ctx: DistContext, progress: Progress | None = None) -> Job:
@@ -86,6 +88,7 @@ def build(cfg: TrainConfig, ctx: DistContext, progress: Progress | None = None) 
 def save_checkpoint(job: Job) -> None:
     if job.saved_step == job.step:
         return
+    job.nonfinite.check(job.ctx, job.ckpt)  # never save a run whose loss went NaN/inf
     shared = {"model": unwrap(job.model).state_dict(), "optimizer": job.optimizer.state_dict(),
               "scheduler": job.scheduler.state_dict(), "scaler": job.scaler.state_dict(),
               "loop": {"step": job.step}, "data": job.train_loader.state_dict()}
@@ -105,6 +108,13 @@ def resume(job: Job, say) -> None:
     if found is None:
         return
     shared, own, meta = job.ckpt.load(found)
+    # Before any state is loaded: a changed optimizer fails deep inside torch, and a changed lr or
+    # batch would be silently overridden by (or silently mixed with) the restored state.
+    refused, applied = recipe_changes(meta.get("config") or {}, cfg.to_dict())
+    if refused:
+        raise UserError(f"cannot resume from {found.path}: the recipe changed since it was saved "
+                        f"({describe_changes(refused)})",
+                        "use a new --run_dir, or --resume never to start over in this one")
     try:
         unwrap(job.model).load_state_dict(shared["model"])
         job.optimizer.load_state_dict(shared["optimizer"])
@@ -128,7 +138,9 @@ def resume(job: Job, say) -> None:
     if meta.get("world_size") != ctx.world_size:
         extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {ctx.world_size}: "
                      f"data order continues, per-rank RNG streams are reseeded")
-    if meta.get("config_hash") != cfg.hash():
+    if applied:
+        extra.append(f"changed since that checkpoint and applied: {describe_changes(applied)}")
+    elif meta.get("config_hash") != cfg.hash():  # keys this version does not compare (another ddp_kit)
         extra.append("its config differs from this run's (see its meta.json)")
     say(f"ddp_kit: resumed from {found.path} (step {job.step}, epoch {job.train_loader.epoch})"
         + ("; " + "; ".join(extra) if extra else ""))

@@ -40,6 +40,8 @@ def train_step(job: Job, micro_batches: list) -> torch.Tensor:
         with sync_gradients(model, sync=(i == len(micro_batches) - 1)):
             with autocast(cfg.amp, job.ctx.device):
                 loss = F.cross_entropy(model(x), y) / len(micro_batches)
+            if job.faults:
+                loss = loss * job.faults.loss_factor(job.step + 1)
             timer.mark("forward")
             job.scaler.scale(loss).backward()
             timer.mark("backward")
@@ -94,10 +96,12 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
             micro.append(batch)
             if len(micro) < cfg.grad_accum:
                 continue
-            window_loss += train_step(job, micro)
+            step_loss = train_step(job, micro)
+            window_loss += step_loss
             window_n += 1
             micro = []
             job.step += 1
+            job.nonfinite.update(step_loss, job.step)
             progress.enter("after step")
             if job.faults:
                 job.faults.at_step(job.step, unwrap(job.model))
@@ -106,15 +110,12 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                 # longer than collective_timeout_s is a fault, not a slow start.
                 barrier(ctx)
                 set_collective_timeout(ctx, cfg.collective_timeout_s)
-                first_step_done = True
+                first_step_done = progress.warm = True
             if bar:
                 bar.update(1)
             timer = job.timer
-            if job.preempt is not None and job.step % cfg.preempt_check_every == 0:
-                with waiting_on_ranks(job, "preemption check"):
-                    signum = agreed_signal(ctx, job.preempt)
-                if signum:
-                    raise Preempted(signum)
+            if job.step % cfg.preempt_check_every == 0:
+                stop_if_signalled(job)
             if cfg.sync_check_every and job.step % cfg.sync_check_every == 0:
                 with waiting_on_ranks(job, "sync check"):
                     warning = check_consistency(ctx, job.model, job.step, cfg.sync_fix)
@@ -123,7 +124,10 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
             if cfg.ckpt_every and job.step % cfg.ckpt_every == 0:
                 with waiting_on_ranks(job, None):  # save_checkpoint announces its own phase
                     save_checkpoint(job)
+                stop_if_signalled(job)  # a signal that came during the save is acted on now
             if job.step % cfg.log_every == 0 or job.step == job.total_steps:
+                with waiting_on_ranks(job, "log all-reduce"):
+                    job.nonfinite.check(ctx, job.ckpt)
                 now = time.perf_counter()
                 with waiting_on_ranks(job, "log all-reduce"):
                     (loss,) = all_reduce_sum(ctx, [float(window_loss) / max(window_n, 1)])
@@ -156,6 +160,8 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
             writer.log({"event": "eval", "step": job.step, "epoch": epoch, **ev})
             say(f"eval epoch {epoch}: loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f} "
                 f"({ev['eval_samples']} samples)", bar)
+            if job.step < job.total_steps:
+                stop_if_signalled(job)  # a signal that came during eval is acted on now
     if bar:
         bar.close()
     if ev_step != job.step:  # stopped mid-epoch (max_steps): evaluate the final weights
@@ -165,6 +171,16 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
     # The final step is always logged, so the last logged loss is the last window's mean over ranks.
     return {"train_loss_last_window": logged_loss, "wall_s": wall,
             "samples_per_s": (job.step - start_step) * cfg.batch_size / max(wall, 1e-9), **ev}
+
+
+def stop_if_signalled(job: Job) -> None:
+    """The ranks agree on any stop signal received so far; all raise Preempted together."""
+    if job.preempt is None:
+        return
+    with waiting_on_ranks(job, "preemption check"):
+        signum = agreed_signal(job.ctx, job.preempt)
+    if signum:
+        raise Preempted(signum)
 
 
 @contextmanager

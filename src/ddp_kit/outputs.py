@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,29 @@ class RunWriter:
             # Line-buffered append: a killed run keeps every line written so far, and a resumed run continues the file.
             self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
             self._tb = _tensorboard(self.run_dir / "tb")
+
+    def supersede(self, after_step: int | None, archive: Path) -> None:
+        """Move records that no longer describe this run out of metrics.jsonl (and summary.json),
+        into archive/<time>/: after a resume from step S, those of steps past S, which the resumed
+        run computes again; on a fresh start, all of them."""
+        if not self.is_main or not (self.run_dir / "metrics.jsonl").exists():
+            return
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if after_step is not None and _step_of(ln) <= after_step]
+        gone = [ln for ln in lines if ln not in keep]
+        summary = self.run_dir / "summary.json"
+        if not gone and not summary.exists():
+            return
+        dest = archive / time.strftime("%Y%m%dT%H%M%S")
+        dest.mkdir(parents=True, exist_ok=True)
+        if gone:
+            with open(dest / "metrics.jsonl", "a") as f:
+                f.writelines(gone)
+        if summary.exists():  # it described the run that ended; a new one will be written
+            os.replace(summary, dest / "summary.json")
+        self._metrics.close()
+        atomic_write_text(self.run_dir / "metrics.jsonl", "".join(keep))
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
 
     def write_config(self, config: dict[str, Any]) -> None:
         if self.is_main:
@@ -52,6 +76,13 @@ class RunWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0
 
 
 def _tensorboard(log_dir: Path):

@@ -67,9 +67,23 @@ def check_agreement(ctx: DistContext, facts: dict[str, Any], details: dict[str, 
 
 # ---- periodic consistency -----------------------------------------------------------------------
 
+def _per_rank_buffers(model: nn.Module) -> set[str]:
+    """Buffers each rank may legitimately hold its own value of: the running statistics of norm
+    layers that are not synchronised (BatchNorm, InstanceNorm with running stats). Each rank updates
+    them from its own batch; DDP only overwrites them with rank 0's at the next forward."""
+    out = set()
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.SyncBatchNorm):
+            out.update(f"{prefix}.{b}" if prefix else b for b in ("running_mean", "running_var"))
+    return out
+
+
 def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
-    return named
+    """What must be equal on every rank: every parameter, and every floating buffer except the
+    running statistics of unsynchronised norm layers (SyncBatchNorm's are compared)."""
+    skip = _per_rank_buffers(model)
+    return list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
+                                             if b.is_floating_point() and n not in skip]
 
 
 def checksums(model: nn.Module) -> torch.Tensor:
@@ -83,7 +97,7 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
     re-broadcast rank 0's values (fix='broadcast') and return a warning line."""
     if ctx.world_size == 1:
         return None
-    mine = checksums(model).to(ctx.device if ctx.backend == "nccl" else "cpu")
+    mine = checksums(model).to(ctx.control_device)
     allsums = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     tdist.all_gather(allsums, mine)
     names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in _state_tensors(model)]
@@ -102,7 +116,7 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
         return f"parameters diverged from rank 0 at step {step} ({where}); re-broadcast from rank 0"
     raise UserError(f"parameters diverged across ranks at step {step} (sync check): {where}",
                     "a rank updated its weights differently (non-deterministic code on one rank, a skipped step, "
-                    "unsynced BatchNorm buffers: try --sync_bn true); --sync_fix broadcast repairs it instead")
+                    "a buffer changed on one rank only); --sync_fix broadcast repairs it instead")
 
 
 # ---- main_only guard ------------------------------------------------------------------------------

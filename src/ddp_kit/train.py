@@ -6,30 +6,34 @@ Parse -> build -> train -> summarize, inside `distributed()`, which always tears
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
+import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import __version__
+from .checkpoint import archive_abandoned
 from .config import TrainConfig, help_text, resolve
 from .data import per_rank_batch
-from .dist import distributed
+from .dist import DistContext, all_gather_object, barrier, broadcast_object, distributed
 from .doctor import findings_for_error, is_cuda_error, oom_report
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
+from .failfast import EXIT_PEER_FAILED, announce, peer_failure, post, same_error, say_stop
 from .faults import parse as parse_faults
 from .job import Job, build, resume, save_checkpoint
 from .loop import rank0_printer, train
 from .outputs import RunWriter
-from .preempt import EXIT_PREEMPTED, PreemptFlag, Preempted, requeue
+from .preempt import PreemptFlag, Preempted, exit_code, requeue
+from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 from .sync import check_agreement, disagreeing_ranks, param_sha256, shapes_digest
-from .watchdog import (EXIT_HANG, EXIT_PEER_FAILED, Progress, Watchdog, diagnose_peer_loss, disable_crash_dump,
-                       enable_crash_dump, is_comm_error, peer_failure, post_failure, stop_line)
+from .watchdog import (EXIT_HANG, Progress, Watchdog, diagnose_peer_loss, disable_crash_dump, enable_crash_dump,
+                       is_comm_error)
 from .wrap import unwrap
 
 
@@ -67,10 +71,68 @@ def startup_agreement(job: Job) -> None:
 
 
 def _injected_config(cfg: TrainConfig, rank: int) -> TrainConfig:
-    """Test hook `config:rank=R`: that rank trains with a different seed, as if it had read another file."""
-    if any(f.kind == "config" and f.rank == rank for f in parse_faults(cfg.inject)):
-        return dataclasses.replace(cfg, seed=cfg.seed + 1)
+    """Test hooks `config:rank=R` (that rank trains with a different seed, as if it had read another
+    file) and `nodata:rank=R` (that rank's data_root is missing, as on a node without the files)."""
+    faults = [f for f in parse_faults(cfg.inject) if f.rank == rank]
+    if any(f.kind == "config" for f in faults):
+        cfg = dataclasses.replace(cfg, seed=cfg.seed + 1)
+    if any(f.kind == "nodata" for f in faults):
+        cfg = dataclasses.replace(cfg, data_root=f"{cfg.data_root}/.not-on-this-node")
     return cfg
+
+
+def rank0_verdict(ctx: DistContext, check) -> Any:
+    """Run `check()` on rank 0 only; every rank returns its result or raises its UserError, so the
+    job stops together with one message."""
+    out = None
+    if ctx.is_main:
+        try:
+            out = ("ok", check())
+        except UserError as err:
+            out = ("error", (err.message, err.hint))
+    kind, value = broadcast_object(ctx, out)
+    if kind == "error":
+        raise UserError(*value)
+    return value
+
+
+def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
+    """Before any work: the folder is writable, no other job uses it, and every rank sees it."""
+    def rank0():
+        check_writable(rd.path)
+        lock = RunLock(rd.path / ".lock", ctx.env.job_id).acquire()
+        token = new_token()
+        write_token(rd.path, token) if ctx.world_size > 1 else None
+        return lock, token
+
+    lock, token = rank0_verdict(ctx, rank0)
+    if ctx.world_size > 1:
+        seen = all_gather_object(ctx, (sees_token(rd.path, token), socket.gethostname()))
+        if ctx.is_main:
+            remove_token(rd.path, token)
+        blind = [(r, host) for r, (ok, host) in enumerate(seen) if not ok]
+        if blind:
+            r, host = blind[0]
+            more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+            raise UserError(f"run_dir {str(rd.path)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "
+                            f"file rank 0 wrote there; checkpoints need every rank to write into the same folder",
+                            "put run_dir on storage every node mounts (an absolute path); per-node run folders are not supported")
+    return lock if ctx.is_main else None
+
+
+def fresh_or_continue(job: Job, rd: RunDir, writer: RunWriter, say) -> None:
+    """One lineage per run folder: what a fresh start (`--resume never`) or a resume from an older
+    checkpoint leaves behind (higher steps, their metrics) moves to run_dir/archive/<time>/."""
+    if not job.ctx.is_main:
+        return
+    if job.resumed_from is None and job.cfg.resume != "never":
+        if not (rd.checkpoints / "latest").exists():
+            writer.supersede(None, rd.archive)  # a first run: earlier metrics without checkpoints are not ours
+        return
+    moved = archive_abandoned(rd.checkpoints, job.resumed_from, rd.archive)
+    writer.supersede(job.resumed_from, rd.archive)
+    if moved:
+        say(f"ddp_kit: moved checkpoint(s) {', '.join(f'step_{s}' for s in moved)} of an abandoned run to {rd.archive}/")
 
 
 def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
@@ -79,83 +141,109 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
     per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
     cfg = _injected_config(cfg, env.rank)
     progress = Progress()
-    preempt_flag = PreemptFlag().install()
-    hang_dir = f"{cfg.run_dir}/hang"
-    with distributed(env, cfg.backend, cfg.device, cfg.init_timeout_s, dump_dir=hang_dir) as ctx:
+    box: dict[str, Job] = {}
+    preempt_flag = PreemptFlag(env.rank, where=lambda: (progress.step, box["job"].saved_step if box else None)).install()
+    rd = RunDir(Path(cfg.run_dir))
+    hang_dir = str(rd.hang)
+    try:
+        with distributed(env, cfg.backend, cfg.device, cfg.init_timeout_s, dump_dir=hang_dir) as ctx:
+            return _run(cfg, ctx, rd, progress, preempt_flag, box)
+    finally:
+        preempt_flag.restore()
+
+
+def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, preempt_flag: PreemptFlag,
+         box: dict) -> dict[str, Any]:
+    hang_dir = str(rd.hang)
+    lock = writer = crash_file = None
+    watchdog = Watchdog(ctx.store, ctx.rank, ctx.world_size, progress, cfg.hang_timeout_s, cfg.init_timeout_s, hang_dir)
+    try:
+        lock = prepare_run_dir(ctx, rd)
         writer = RunWriter(cfg.run_dir, ctx.is_main)
-        watchdog = Watchdog(ctx.rank, ctx.world_size, progress, cfg.hang_timeout_s, cfg.init_timeout_s, hang_dir).start()
+        watchdog.start()
         crash_file = enable_crash_dump(hang_dir, ctx.rank)
         progress.mirror(f"{hang_dir}/rank{ctx.rank}.progress")
+        job = box["job"] = build(cfg, ctx, progress)
+        say = rank0_printer(ctx)
+        say(f"ddp_kit: {cfg.model} on {cfg.dataset}, {ctx.world_size} rank(s) ({ctx.backend}, {ctx.device}), "
+            f"global batch {cfg.batch_size} = {ctx.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
+            f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}")
+        resume(job, say)
+        fresh_or_continue(job, rd, writer, say)
+        writer.write_config(cfg.to_dict())
+        startup_agreement(job)
+        job.preempt = preempt_flag
         try:
-            writer.write_config(cfg.to_dict())
-            job = build(cfg, ctx, progress)
+            preempt_flag.started()  # from here a stop signal is agreed on and checkpointed
+            result = train(job, writer)
+            save_checkpoint(job)  # the final one; returns at once if this step is already saved
+        except Preempted as stop:
+            save_checkpoint(job)
+            job.ckpt.wait()
+            wants_requeue = stop.signum == signal.SIGUSR2 and ctx.env.batch_job_id is not None
+            code = exit_code(stop.signum)
             if ctx.is_main:
-                print(f"ddp_kit: {cfg.model} on {cfg.dataset}, {ctx.world_size} rank(s) ({ctx.backend}, {ctx.device}), "
-                      f"global batch {cfg.batch_size} = {ctx.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
-                      f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}", flush=True)
-            resume(job, rank0_printer(ctx))
-            startup_agreement(job)
-            job.preempt = preempt_flag
-            try:
-                result = train(job, writer)
-                save_checkpoint(job)  # the final one; returns at once if this step is already saved
-            except Preempted as stop:
-                save_checkpoint(job)
-                job.ckpt.wait()
-                wants_requeue = stop.signum == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ
-                if ctx.is_main:
-                    # Printed before the requeue: SLURM ends this job the moment it requeues it.
-                    print(f"ddp_kit: preempted by {signal.Signals(stop.signum).name} after step {job.step}: checkpoint "
-                          f"saved; {'requeueing the job' if wants_requeue else 'not requeued'}; exiting with "
-                          f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
-                    if wants_requeue:
-                        print(f"ddp_kit: {requeue()}", file=sys.stderr, flush=True)
-                raise Reported(EXIT_PREEMPTED) from None
-            finally:
-                job.ckpt.wait()  # never leave with an async save half-written
-            progress.enter("finish")
-            summary = finish(job, result, writer)
-            if ctx.is_main:
-                print(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f} on "
-                      f"{summary['eval_samples']} samples, {summary['wall_s']:.1f}s, param_sha256 {summary['param_sha256'][:16]}",
-                      flush=True)
-            return summary
-        except UserError as err:
-            if err.rank is not None:  # only this rank hit it: the others must not wait for it
-                post_failure(ctx.rank, progress, err)
-            raise
-        except Reported:
-            raise
-        except Exception as err:
-            if watchdog.aborting.is_set():  # the hang report is out; this error is its echo
-                time.sleep(30)  # the watchdog ends the process with the hang exit code
-                raise Reported(EXIT_HANG) from err
-            failed = peer_failure(ctx.rank)
-            if failed:  # another rank failed first; this error (a broken connection) follows from it
-                print(stop_line(ctx.rank, failed), file=sys.stderr, flush=True)
-                raise Reported(EXIT_PEER_FAILED) from err
-            if is_comm_error(err):  # perhaps a peer died without posting: find it and name it
-                line = diagnose_peer_loss(ctx.rank, ctx.world_size, hang_dir)
-                if line:
-                    if ctx.is_main or "stopping:" in line:
-                        print(line, file=sys.stderr, flush=True)
-                    raise Reported(EXIT_PEER_FAILED) from err
-            # Print before telling the others: once they stop, torchrun may kill this process.
-            print(f"ddp_kit: error: rank {ctx.rank} failed at step {progress.step} in {progress.phase}: "
-                  f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
-            if is_cuda_error(err):
-                notes = oom_report(ctx.device, per_rank_batch(cfg.batch_size, ctx.world_size, cfg.grad_accum),
-                                   cfg.batch_size, cfg.grad_accum, cfg.amp) if isinstance(err, torch.cuda.OutOfMemoryError) else []
-                for line in notes + findings_for_error(err, cfg.amp):
-                    print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
-            post_failure(ctx.rank, progress, err)
-            raise Reported(1) from err
+                # Printed before the requeue: SLURM ends this job the moment it requeues it.
+                what = "interrupted" if stop.signum == signal.SIGINT else "preempted"
+                print(f"ddp_kit: {what} by {signal.Signals(stop.signum).name} after step {job.step}: checkpoint "
+                      f"saved; {'requeueing the job' if wants_requeue else 'rerun the same command to resume'}; "
+                      f"exiting with {code}", file=sys.stderr, flush=True)
+                if wants_requeue:
+                    print(f"ddp_kit: {requeue()}", file=sys.stderr, flush=True)
+            # No rank exits before the requeue is done: under `srun --kill-on-bad-exit` the first
+            # rank to exit non-zero gets every other task (and rank 0's scontrol) killed.
+            barrier(ctx)
+            raise Reported(code) from None
         finally:
-            preempt_flag.restore()
-            watchdog.stop()
+            job.ckpt.wait()  # never leave with an async save half-written
+        progress.enter("finish")
+        summary = finish(job, result, writer)
+        say(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f} on "
+            f"{summary['eval_samples']} samples, {summary['wall_s']:.1f}s, param_sha256 {summary['param_sha256'][:16]}")
+        return summary
+    except UserError as err:
+        err.at(ctx.rank)
+        stands = post(ctx.store, ctx.rank, progress.step, progress.phase, err)
+        # Once for the job: the rank whose failure stands prints it; a rank with a different local
+        # problem (another missing file) prints its own too.
+        if stands is None or stands["rank"] == ctx.rank or (err.local and not same_error(stands, err)):
+            print(err.line(), file=sys.stderr, flush=True)
+        raise Reported(EXIT_USER_ERROR) from None
+    except Reported:
+        raise
+    except Exception as err:
+        if watchdog.aborting.is_set():  # the hang report is out; this error is its echo
+            time.sleep(30)  # the watchdog ends the process with the hang exit code
+            raise Reported(EXIT_HANG) from err
+        failed = peer_failure(ctx.store, ctx.rank)
+        if failed:  # another rank failed first; this error (a broken connection) follows from it
+            say_stop(ctx.rank, failed)
+            raise Reported(EXIT_PEER_FAILED) from err
+        if is_comm_error(err):  # perhaps a peer died without posting: find it and name it
+            line = diagnose_peer_loss(ctx.store, ctx.rank, ctx.world_size, hang_dir)
+            if line:
+                if ctx.is_main or "stopping:" in line:
+                    print(line, file=sys.stderr, flush=True)
+                raise Reported(EXIT_PEER_FAILED) from err
+        # Print before telling the others: once they stop, torchrun may kill this process.
+        print(f"ddp_kit: error: rank {ctx.rank} failed at step {progress.step} in {progress.phase}: "
+              f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        if is_cuda_error(err):
+            notes = oom_report(ctx.device, per_rank_batch(cfg.batch_size, ctx.world_size, cfg.grad_accum),
+                               cfg.batch_size, cfg.grad_accum, cfg.amp) if isinstance(err, torch.cuda.OutOfMemoryError) else []
+            for line in notes + findings_for_error(err, cfg.amp):
+                print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
+        post(ctx.store, ctx.rank, progress.step, progress.phase, err)
+        raise Reported(1) from err
+    finally:
+        watchdog.stop()
+        if writer is not None:
             writer.close()
-            progress.unmirror()
+        progress.unmirror()
+        if crash_file is not None:
             disable_crash_dump(crash_file)
+        if lock is not None:
+            lock.release()
 
 
 def cli(config: str | None = None, dry_run: bool = False, help_config: bool = False, preflight_world_size: int = 0,
@@ -165,7 +253,7 @@ def cli(config: str | None = None, dry_run: bool = False, help_config: bool = Fa
     --preflight_world_size N (with --dry_run): check the config as if N ranks will run it; the launch
     scripts use it to refuse a bad config before torchrun starts any worker.
     """
-    rank = 0
+    rank, env = 0, None
     try:
         env = detect()
         rank = env.rank
@@ -186,6 +274,8 @@ def cli(config: str | None = None, dry_run: bool = False, help_config: bool = Fa
         run(cfg, env)
     except UserError as err:
         report_user_error(err, rank)
+        if err.local and env is not None and not getattr(err, "posted", False):
+            announce(env, err)  # the others may be waiting for this rank in the rendezvous
         sys.exit(EXIT_USER_ERROR)
     except Reported as done:
         sys.exit(done.code)

@@ -1,4 +1,4 @@
-"""Hang and failure diagnosis: per-rank progress, a watchdog thread, and fail-fast across ranks.
+"""Hang diagnosis: per-rank progress, a watchdog thread, and the crash site of a rank that vanished.
 
 The training loop only sets two attributes per phase (`progress.enter(...)`); a thread per rank
 publishes them to the rendezvous store once a second. The store lives outside the process group
@@ -6,8 +6,9 @@ publishes them to the rendezvous store once a second. The store lives outside th
 
 - No progress for `hang_timeout` s: every rank dumps its Python stacks to run_dir/hang/rank<R>.txt;
   rank 0 prints one report naming the lagging rank(s) and where each rank waits; all exit 3.
-- A rank raises: it posts its error to the store; the others print one line saying which rank
-  failed, and exit 1 (torchrun often tears them down even sooner).
+- Until step 1 has finished (data preparation, torch.compile, cuDNN autotuning) every phase counts
+  as startup and gets the init timeout instead.
+- A rank that raises is fail-fast's business (failfast.py), which runs even with the watchdog off.
 """
 from __future__ import annotations
 
@@ -23,11 +24,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch.distributed as tdist
+from .failfast import peer_failure, stop_line
 
 EXIT_HANG = 3
-EXIT_PEER_FAILED = 1
-_FAILED, _ABORT = "ddp_kit/failed", "ddp_kit/abort"
+_ABORT = "ddp_kit/abort"
 
 # Phases in the order a step goes through them: progress compares (step, phase index).
 PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "preemption check", "log all-reduce",
@@ -51,6 +51,7 @@ class Progress:
     step: int = 0
     phase: str = "startup"
     since: float = field(default_factory=time.monotonic)
+    warm: bool = False  # step 1 has finished: from here on, only SLOW_PHASES get the long timeout
     _map: mmap.mmap | None = None
     _path: str = ""
 
@@ -88,12 +89,6 @@ def read_mirror(path: str | Path) -> tuple[int, str] | None:
     return step, PHASES[idx] if idx < len(PHASES) else "?"
 
 
-def _store():
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist.distributed_c10d._get_default_store()
-    return None
-
-
 def _where(thread_id: int) -> str:
     """The innermost frame of a thread, as file:line in function."""
     frame = sys._current_frames().get(thread_id)
@@ -103,41 +98,11 @@ def _where(thread_id: int) -> str:
     return f"{Path(fs.filename).name}:{fs.lineno} in {fs.name}"
 
 
-def post_failure(rank: int, progress: Progress, err: BaseException) -> None:
-    """Tell the other ranks that this one failed (first failure wins); never raises."""
-    store = _store()
-    if store is None:
-        return
-    try:
-        msg = json.dumps({"rank": rank, "step": progress.step, "phase": progress.phase,
-                          "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
-        store.compare_set(_FAILED, "", msg)
-    except Exception:
-        pass
-
-
-def peer_failure(rank: int) -> dict | None:
-    """The failure another rank posted, if any (so that this rank's follow-on error is not reported as news)."""
-    store = _store()
-    try:
-        if store is not None and store.check([_FAILED]):
-            failed = json.loads(store.get(_FAILED) or "null")
-            return failed if failed and failed["rank"] != rank else None
-    except Exception:
-        pass
-    return None
-
-
-def stop_line(rank: int, failed: dict) -> str:
-    return (f"ddp_kit: [rank {rank}] stopping: rank {failed['rank']} failed at step {failed['step']} "
-            f"in {failed['phase']} ({failed['error']})")
-
-
 class Watchdog:
     """One daemon thread per rank. `start()` after the process group exists; `stop()` before it goes."""
 
-    def __init__(self, rank: int, world_size: int, progress: Progress, hang_timeout_s: float, slow_timeout_s: float,
-                 dump_dir: str | Path, poll_s: float = 1.0, host: str = ""):
+    def __init__(self, store, rank: int, world_size: int, progress: Progress, hang_timeout_s: float,
+                 slow_timeout_s: float, dump_dir: str | Path, poll_s: float = 1.0, host: str = ""):
         self.rank, self.world_size, self.progress = rank, world_size, progress
         self.hang_timeout_s, self.slow_timeout_s, self.poll_s = hang_timeout_s, slow_timeout_s, poll_s
         self.dump_dir = Path(dump_dir)
@@ -146,7 +111,7 @@ class Watchdog:
         self.aborting = threading.Event()  # set once a hang is declared: later errors are its echoes
         self._main_thread = threading.main_thread().ident
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-watchdog", daemon=True)
-        self.store = _store()
+        self.store = store
 
     def start(self) -> "Watchdog":
         if self.store is not None and self.world_size > 1 and self.hang_timeout_s > 0:
@@ -175,15 +140,11 @@ class Watchdog:
         self.store.set(f"ddp_kit/progress/{self.rank}", json.dumps(
             {"step": p.step, "phase": p.phase, "stalled_s": round(stalled_for, 1), "host": self.host,
              "where": _where(self._main_thread), "t": time.time()}))
-        failed = peer_failure(self.rank)
-        if failed:
-            print(stop_line(self.rank, failed), file=sys.stderr, flush=True)
-            os._exit(EXIT_PEER_FAILED)
         if self.store.check([_ABORT]):
             self.aborting.set()
             self._dump()
             os._exit(EXIT_HANG)
-        limit = self.slow_timeout_s if p.phase in SLOW_PHASES else self.hang_timeout_s
+        limit = self.slow_timeout_s if (p.phase in SLOW_PHASES or not p.warm) else self.hang_timeout_s
         if stalled_for > limit:
             self._on_hang(stalled_for)
 
@@ -300,13 +261,12 @@ def _crash_site(text: str) -> str | None:
     return None
 
 
-def diagnose_peer_loss(rank: int, world_size: int, dump_dir: str | Path, wait_s: float = 3.0) -> str | None:
+def diagnose_peer_loss(store, rank: int, world_size: int, dump_dir: str | Path, wait_s: float = 3.0) -> str | None:
     """After a communication error: find the rank that caused it, from its posted failure, its crash
     dump, or its silence. Returns the one line to print, or None when no peer looks at fault."""
-    store = _store()
     deadline = time.monotonic() + wait_s
     while True:
-        failed = peer_failure(rank)
+        failed = peer_failure(store, rank)
         if failed:
             return stop_line(rank, failed)
         crashed = [r for r in range(world_size) if r != rank and (Path(dump_dir) / f"rank{r}.crash.txt").exists()

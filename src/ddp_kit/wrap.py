@@ -19,6 +19,9 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, com
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if sync_bn and ctx.world_size > 1:
+        if ctx.device.type == "cpu":  # torch's SyncBatchNorm raises on CPU tensors at the first forward
+            raise UserError("sync_bn needs GPUs: torch's SyncBatchNorm does not run on CPU with more than one rank",
+                            "use --sync_bn false on CPU (each rank keeps its own BatchNorm statistics)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if ctx.world_size > 1:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None

@@ -1,0 +1,81 @@
+"""CPU resources of a rank: intra-op threads chosen by one rule under every launcher, and glibc's allocator.
+
+Threads: torchrun sets OMP_NUM_THREADS=1 when it starts several workers per node; srun sets
+nothing, so every rank would use every core (N ranks x all cores, and other numerics than the
+torchrun layout). One rule for all: the CPUs of this node's allocation (SLURM_CPUS_ON_NODE under
+SLURM, else the CPUs this process may run on) divided by the ranks on this node. A user's own
+OMP_NUM_THREADS wins; torchrun's automatic 1 is not a user's choice and is replaced.
+
+Allocator: glibc's dynamic mmap threshold maps and unmaps each step's large tensors (a page-fault
+storm per step, ~20% of a small CPU step); fixed thresholds keep them in the heap. Set at init
+with mallopt unless the user set MALLOC_* variables. See BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from typing import Mapping
+
+import torch
+
+from .env import DistEnv
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 64 << 20
+
+
+def _set_by_launcher_only(environ: Mapping[str, str], env: DistEnv) -> bool:
+    """True when OMP_NUM_THREADS=1 came from torchrun's default rather than from the user: torchrun
+    sets it in its own process after start, so its initial environment (/proc/PPID/environ) lacks it."""
+    if env.launcher != "torchrun" or environ.get("OMP_NUM_THREADS") != "1":
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            parent = f.read().split(b"\0")
+    except OSError:
+        return False
+    return not any(item.startswith(b"OMP_NUM_THREADS=") for item in parent)
+
+
+def threads_per_rank(env: DistEnv, environ: Mapping[str, str], cpus_visible: int) -> tuple[int, str]:
+    """(threads, why) for this rank by the one rule; pure apart from the launcher check."""
+    user = environ.get("OMP_NUM_THREADS", "")
+    if user.isdigit() and int(user) > 0 and not _set_by_launcher_only(environ, env):
+        return int(user), "OMP_NUM_THREADS"
+    cpus_raw = environ.get("SLURM_CPUS_ON_NODE", "")
+    cpus, source = (int(cpus_raw), "SLURM_CPUS_ON_NODE") if cpus_raw.isdigit() else (cpus_visible, "CPUs available")
+    local = max(1, env.local_world_size)
+    return max(1, cpus // local), f"{cpus} {source} / {local} rank(s) on this node"
+
+
+def _cpus_visible() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def tune_allocator(environ: Mapping[str, str]) -> bool:
+    """Fixed glibc mmap/trim thresholds (unless the user set MALLOC_*); True when applied."""
+    if any(k.startswith("MALLOC_") for k in environ) or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+
+
+def apply_cpu_settings(env: DistEnv, device: torch.device, environ: Mapping[str, str] | None = None) -> str:
+    """Set this rank's intra-op threads (and, on CPU, the allocator); returns a line saying what was chosen."""
+    environ = os.environ if environ is None else environ
+    threads, why = threads_per_rank(env, environ, _cpus_visible())
+    torch.set_num_threads(threads)
+    tuned = device.type == "cpu" and tune_allocator(environ)
+    line = f"ddp_kit: {threads} intra-op thread(s) per rank ({why})" + ("; glibc malloc thresholds fixed" if tuned else "")
+    if env.rank == 0:
+        print(line, flush=True)
+    return line
