@@ -25,7 +25,7 @@ def _f(default: Any, help: str, choices: tuple | None = None):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = _f("mlp", "Built-in model: mlp (the MNIST example's 784-256-10 MLP, input size from the data), resnet18 (CIFAR stem), tiny.")
+    model: str = _f("mlp", "Built-in model: mlp (the MNIST example's 784-256-10 MLP, input size from the data), resnet18 (CIFAR stem), tiny, cnn (conv + BatchNorm, small).")
     dataset: str = _f("digits", "Built-in dataset: digits (scikit-learn's 8x8 digits, bundled), mnist, cifar10 (from data_root), synthetic.")
     data_root: str = _f("./data", "Folder holding MNIST/CIFAR-10 files (torchvision layout).")
     download: bool = _f(False, "Download MNIST/CIFAR-10 into data_root when missing. Off by default: jobs never touch the network unasked.")

@@ -5,14 +5,27 @@ optimizer step k consumes the contiguous slice perm[k*B:(k+1)*B] of it (B = glob
 DistributedSampler's interleaving hands each rank 1/world_size of that slice. So 1 rank and N
 ranks see the same global batches, and a checkpoint's data position (samples consumed in the
 epoch) means the same thing on any world size.
+
+Random augmentations resume exactly too. A loader worker loads each micro-batch under a seed
+from (seed, epoch, rank, position), so what a batch draws depends neither on which worker loads
+it nor on what ran before a resume; without workers the draws come from the main process's RNG,
+which checkpoints save. Loader workers leave stop signals to their rank (see
+`leave_stop_signals_to_parent`).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import random
+import signal
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from .errors import UserError
 
@@ -26,6 +39,114 @@ def per_rank_batch(global_batch: int, world_size: int, grad_accum: int = 1) -> i
             f"batch_size {global_batch} (global) does not divide into world_size {world_size} x grad_accum {grad_accum}",
             f"use a multiple of {parts}, e.g. --batch_size {lo}")
     return global_batch // parts
+
+
+def check_sized(dataset: Dataset) -> int:
+    """The dataset's length; refuses what cannot be sharded by index (a stream, or no __len__)."""
+    name = type(dataset).__name__
+    shard_it_yourself = ("shard it yourself by rank and worker (run.rank, run.world_size, "
+                         "torch.utils.data.get_worker_info()) and use its DataLoader without run.prepare, "
+                         "or make it a map-style Dataset with __getitem__ and __len__")
+    if isinstance(dataset, IterableDataset):
+        sized = "a sized" if hasattr(dataset, "__len__") else "an unsized"
+        raise UserError(f"{name} is {sized} IterableDataset: ddp_kit shards a dataset by index and cannot split "
+                        f"a stream over ranks", shard_it_yourself)
+    try:
+        return len(dataset)
+    except TypeError:
+        raise UserError(f"{name} has no __len__: ddp_kit needs the dataset's size to shard it over ranks",
+                        "give the dataset a __len__") from None
+
+
+def _mix(*parts: int) -> int:
+    """A 63-bit seed from integers; neighbours (epoch 3 and 4, rank 0 and 1) get unrelated streams."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _arrive(indices: list[int], seed: int) -> list[int]:
+    """Unpickles a `_Batch` in a loader worker: seeds the worker's RNGs (as DataLoader does once per
+    worker) right before it loads and collates these indices, and hands them on as a plain list."""
+    if torch.utils.data.get_worker_info() is not None:
+        torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed also seeds CUDA (no use in a worker), at 100 us a call
+        random.seed(seed)
+        np = sys.modules.get("numpy")
+        if np is not None:
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    return indices
+
+
+class _Batch(list):
+    """A micro-batch's indices plus the seed the worker that receives it loads it under.
+
+    Seeding on arrival makes a batch's random augmentations a function of (seed, epoch, rank,
+    position) alone: not of which worker loads it, nor of what that worker loaded before (with
+    persistent workers, earlier epochs; after a resume, nothing). The seed travels with the
+    indices because the index queue is the one channel to a worker per batch."""
+
+    def __init__(self, indices: list[int], seed: int):
+        super().__init__(indices)
+        self.seed = seed
+
+    def __reduce__(self):
+        return _arrive, (list(self), self.seed)
+
+
+class _SeededBatches(Sampler[list[int]]):
+    """The sharded sampler's micro-batches; for workers, each tagged with a seed from (seed, epoch, rank, position).
+
+    Without workers nothing is tagged: the batch loads in the main process from its RNG streams,
+    which a checkpoint saves, so a resume repeats those draws as they were."""
+
+    def __init__(self, sampler: "ShardedSampler", micro_batch: int, tag: bool):
+        self.sampler = sampler
+        self.micro_batch = micro_batch
+        self.tag = tag
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s = self.sampler
+        stride = self.micro_batch * s.num_replicas  # global samples per micro-step
+        for i, indices in enumerate(BatchSampler(s, self.micro_batch, drop_last=True)):
+            yield _Batch(indices, _mix(s.seed, s.epoch, s.rank, s.skip_samples + i * stride)) if self.tag else indices
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.micro_batch
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+
+
+def leave_stop_signals_to_parent() -> None:
+    """In a loader worker: a stop signal from anyone but the parent rank is ignored.
+
+    torchrun and SLURM signal a rank's whole process group, workers included; a worker killed by
+    SIGTERM makes the rank fail ("DataLoader worker ... is killed by signal") before it can save.
+    The rank decides: its SIGTERM still ends the worker (DataLoader's last resort for a stuck
+    one), and workers exit by themselves when the rank closes the loader or dies."""
+    parent = os.getppid()
+    if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: no sender pid to tell the parent apart
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        return
+    # Blocked in every thread, the signals stay pending until the waiter below takes them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def wait() -> None:
+        while True:
+            if signal.sigwaitinfo(STOP_SIGNALS).si_pid == parent:
+                os._exit(0)  # as DataLoader's own handler does for its parent's SIGTERM
+
+    threading.Thread(target=wait, name="ddp_kit-worker-signals", daemon=True).start()
+
+
+def _init_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    leave_stop_signals_to_parent()
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def worker_init(user_init: Callable[[int], None] | None = None) -> Callable[[int], None]:
+    """A DataLoader worker_init_fn: `leave_stop_signals_to_parent`, then the user's own (picklable for spawn)."""
+    return functools.partial(_init_worker, user_init)
 
 
 class ShardedSampler(DistributedSampler):
@@ -56,12 +177,17 @@ class TrainLoader:
     """Iterates one epoch of micro-batches per `iter()`, and moves to the next epoch by itself.
 
     `epoch` and `position` (global samples consumed in this epoch) are the loader's whole state,
-    so a checkpoint can hold them and any world size can continue from them.
+    so a checkpoint can hold them and any world size can continue from them. With num_workers > 0
+    each micro-batch is loaded under a seed from (seed, epoch, rank, position), so the random
+    augmentations of a resumed run repeat those of an uninterrupted one (with 0, restoring the
+    main RNG does that). `worker_init_fn` runs in each worker after ddp_kit's own (which leaves
+    stop signals to the rank).
     """
 
     def __init__(self, dataset: Dataset, *, global_batch: int, world_size: int, rank: int,
                  grad_accum: int = 1, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
-                 pin_memory: bool = False, collate_fn=None):
+                 pin_memory: bool = False, collate_fn=None, worker_init_fn: Callable[[int], None] | None = None):
+        size = check_sized(dataset)
         self.micro_batch = per_rank_batch(global_batch, world_size, grad_accum)
         self.global_batch = global_batch
         self.world_size = world_size
@@ -69,10 +195,15 @@ class TrainLoader:
         self.sampler = ShardedSampler(dataset, world_size, rank, shuffle, seed)
         self.epoch = 0
         self.position = 0
-        self._loader = DataLoader(dataset, batch_size=self.micro_batch, sampler=self.sampler, drop_last=True,
+        # Persistent workers keep their RNG across epochs, which is harmless here: every batch
+        # reseeds it. The generator keeps DataLoader from drawing the workers' base seed from
+        # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
+        batches = _SeededBatches(self.sampler, self.micro_batch, tag=num_workers > 0)
+        self._loader = DataLoader(dataset, batch_sampler=batches,
                                   num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
-                                  persistent_workers=num_workers > 0)
-        self.steps_per_epoch = len(dataset) // global_batch
+                                  persistent_workers=num_workers > 0, worker_init_fn=worker_init(worker_init_fn),
+                                  generator=torch.Generator().manual_seed(_mix(seed, rank)))
+        self.steps_per_epoch = size // global_batch
         if self.steps_per_epoch == 0:
             raise UserError(f"batch_size {global_batch} is larger than the training set ({len(dataset)} samples)",
                             f"use --batch_size {max(world_size * grad_accum, len(dataset) // 4 // (world_size * grad_accum) * world_size * grad_accum)} or less")
@@ -135,10 +266,11 @@ class EvalSampler(Sampler[int]):
 
 
 def eval_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int, num_workers: int = 0,
-                pin_memory: bool = False, collate_fn=None) -> DataLoader:
+                pin_memory: bool = False, collate_fn=None, worker_init_fn: Callable[[int], None] | None = None) -> DataLoader:
     """A loader over this rank's exact share of `dataset`. Reduce sums (not means) across ranks."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=EvalSampler(len(dataset), world_size, rank),
-                      num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn)
+    return DataLoader(dataset, batch_size=batch_size, sampler=EvalSampler(check_sized(dataset), world_size, rank),
+                      num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
+                      worker_init_fn=worker_init(worker_init_fn))
 
 
 # ---- built-in datasets --------------------------------------------------------------------------------
@@ -192,7 +324,8 @@ def _torchvision(name: str, root: str, download: bool) -> DataSpec:
     expected = Path(root) / sub
     if not Path(root).exists() and not download:
         raise UserError(f"data_root {root!r} does not exist; {name} expects {what} in {str(expected)!r}",
-                        "copy the files there, point --data_root at them, or add --download true")
+                        "copy the files there, point --data_root at them, or add --download true",
+                        local=True)  # data may be node-local: the rank that misses it says so
     if name == "mnist":
         tf = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])
         cls, shape = torchvision.datasets.MNIST, (1, 28, 28)
@@ -207,7 +340,7 @@ def _torchvision(name: str, root: str, download: bool) -> DataSpec:
         return DataSpec(make(True), make(False), shape, 10)
     except RuntimeError as exc:
         raise UserError(f"{name} files not found under {str(expected)!r} ({exc})",
-                        f"put {what} there, or add --download true to fetch them") from None
+                        f"put {what} there, or add --download true to fetch them", local=True) from None
 
 
 DATASETS = ("digits", "mnist", "cifar10", "synthetic")

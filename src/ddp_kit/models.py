@@ -8,7 +8,7 @@ from torch import nn
 
 from .errors import UserError
 
-MODELS = ("mlp", "resnet18", "tiny")
+MODELS = ("mlp", "resnet18", "tiny", "cnn")
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 256) -> nn.Module:
@@ -19,6 +19,12 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 256) -> nn
 
 def tiny(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 16), nn.ReLU(), nn.Linear(16, num_classes))
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
+    """A small conv net with BatchNorm: conv 3x3 -> BN -> ReLU -> global average pool -> linear."""
+    return nn.Sequential(nn.Conv2d(input_shape[0], width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
 
 
 def resnet18(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
@@ -33,7 +39,7 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
     """Build `name` with weights drawn from `seed`, identical on every rank."""
-    builders = {"mlp": mlp, "resnet18": resnet18, "tiny": tiny}
+    builders = {"mlp": mlp, "resnet18": resnet18, "tiny": tiny, "cnn": cnn}
     if name not in builders:
         raise UserError(f"unknown model {name!r}", f"choose one of {', '.join(MODELS)}")
     with torch.random.fork_rng(devices=[]):

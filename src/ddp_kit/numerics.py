@@ -36,7 +36,8 @@ class NonFiniteLoss:
         step = int(first.item())
         if step == _NONE:
             return
-        ranks = [r for r, s in enumerate(all_gather_object(ctx, mine)) if s != _NONE]
+        # The ranks that saw it first: after the all-reduce every rank's weights are NaN one step later.
+        ranks = [r for r, s in enumerate(all_gather_object(ctx, mine)) if s == step]
         last = ckpt.latest_name() if ckpt is not None else "none"
         raise UserError(f"the loss became non-finite (NaN/inf) at step {step} on rank(s) "
                         f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''}; stopped without saving "

@@ -1,0 +1,104 @@
+"""Loader workers (num_workers > 0): their RNG resumes exactly, and a stop signal does not kill them before the rank saves."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from conftest import HELPERS, ROOT, ok, proc_env, torchrun
+from ddp_kit.data import TrainLoader
+from helpers.noisy import Noisy
+from test_preempt import ARGS, wait_step
+
+
+def _batches(loader, epochs=2):
+    return [b for _ in range(epochs) for b in loader]
+
+
+def test_augmentation_does_not_depend_on_the_number_of_workers():
+    """Each batch is loaded under its own seed: which worker loads it (and what it loaded before) does not matter."""
+    def run(workers):
+        return _batches(TrainLoader(Noisy(40), global_batch=8, world_size=2, rank=1, seed=3, num_workers=workers))
+
+    one, two = run(1), run(2)
+    assert len(one) == 10 and all(torch.equal(a, b) for x, y in zip(one, two) for a, b in zip(x, y))
+    assert not torch.equal(one[0][1], one[5][1][:len(one[0][1])])  # and it is noise: epochs differ
+
+
+def test_loading_without_workers_leaves_the_main_rng_alone():
+    """DataLoader draws its workers' base seed from the global RNG at every iter() unless given a generator;
+    that draw would shift the model's stream (dropout) and differently on a resume, which calls iter() mid-epoch."""
+    torch.manual_seed(0)
+    want = torch.rand(1)
+    torch.manual_seed(0)
+    _batches(TrainLoader(TensorDataset(torch.arange(40)), global_batch=8, world_size=1, rank=0))
+    assert torch.equal(torch.rand(1), want)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = open(f"/proc/{pid}/status").read() if os.path.exists(f"/proc/{pid}/status") else ""
+    return "State:\tZ" not in status
+
+
+def test_worker_ignores_stop_signals_except_from_its_rank():
+    loader = TrainLoader(TensorDataset(torch.arange(40)), global_batch=8, world_size=1, rank=0, num_workers=1)
+    it = iter(loader)
+    next(it)
+    (worker,) = loader._loader._iterator._workers
+    for sig in ("TERM", "INT", "USR2"):  # sent by another process, as torchrun's killpg or SLURM's signal would be
+        subprocess.run(["kill", f"-{sig}", str(worker.pid)], check=True)
+    time.sleep(0.5)
+    assert _alive(worker.pid) and len(list(it)) == 4  # and it still serves the epoch
+    os.kill(worker.pid, signal.SIGTERM)  # from the rank: DataLoader's way to end a stuck worker still works
+    worker.join(timeout=10)
+    assert worker.exitcode == 0
+
+
+@pytest.mark.slow
+def test_sigterm_to_process_group_with_workers_still_checkpoints(tmp_path):
+    """torchrun signals each rank's whole process group, loader workers included: the rank must still save."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *ARGS,
+           "--num_workers", "2", "--run_dir", str(run_dir), "--inject", "slow:rank=0:step=1:ms=100"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=proc_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        wait_step(run_dir, 10, p, timeout=120)
+        os.killpg(p.pid, signal.SIGTERM)  # the group of the process we started (torchrun leads it)
+        out, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert "killed by signal" not in err, err[-3000:]
+    assert "preempted by SIGTERM" in err and "exiting with 75" in err, err[-3000:]
+    saved = sorted(int(d.name[5:]) for d in (run_dir / "checkpoints").glob("step_*"))
+    assert saved and saved[-1] >= 10, saved
+
+
+def _records(path):
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumed_augmentation_is_bit_identical(tmp_path, workers):
+    """Stop mid-epoch, save loader state + RNG, continue in a new process: the same batches and noise as one run."""
+    script = str(HELPERS / "noisy.py")
+    total, stop = 12, 7  # 5 steps per epoch (44 samples, global batch 8): the stop falls inside epoch 1
+    ok(torchrun([script, str(tmp_path), str(total), str(workers)]))
+    ok(torchrun([script, str(tmp_path), str(total), str(workers), str(stop)]))
+    ok(torchrun([script, str(tmp_path), str(total), str(workers), "resume"]))
+    for r in range(2):
+        full = _records(tmp_path / f"full_rank{r}.pt")
+        pieced = _records(tmp_path / f"stopped_rank{r}.pt") + _records(tmp_path / f"resumed_rank{r}.pt")
+        assert len(full) == len(pieced) == total
+        for k, (a, b) in enumerate(zip(full, pieced)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {r} step {k}: {a} != {b}"
