@@ -121,16 +121,25 @@ class Cluster:
         conf.write_text(CONF.format(ctld_port=port, slurmd_port=port + 1, munge_socket=sock, base=self.base, nodes=nodes))
         self.env = {"SLURM_CONF": str(conf)}
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(conf)])
+        self.node_local.mkdir(parents=True, exist_ok=True)
         for i in range(1, self.nodes + 1):
             (self.base / "spool" / f"node{i}").mkdir(parents=True, exist_ok=True)
             # unshare execs sh, which execs slurmd: the recorded PID is slurmd's own.
+            # NODE_LOCAL is a private tmpfs in each node's mount namespace: what a job writes there on
+            # node1 does not exist on node2, like a node's local disk.
             self._spawn(f"slurmd.node{i}", ["unshare", "--uts", "--mount", "--propagation", "slave", "--", "/bin/sh", "-c",
-                                            'hostname "$1" && mount --bind "$2" /etc/hosts && exec slurmd -D -N "$1" -f "$3"',
-                                            "sh", f"node{i}", str(self.base / "etc" / "hosts"), str(conf)])
+                                            'hostname "$1" && mount --bind "$2" /etc/hosts && mount -t tmpfs -o size=64m '
+                                            'tmpfs "$4" && exec slurmd -D -N "$1" -f "$3"',
+                                            "sh", f"node{i}", str(self.base / "etc" / "hosts"), str(conf), str(self.node_local)])
         self._wait(self._all_idle, timeout, "slurm nodes idle")
         for i in range(1, self.nodes + 1):
             self.uts[f"node{i}"] = os.readlink(f"/proc/{self.pids[f'slurmd.node{i}']}/ns/uts")
         return self
+
+    @property
+    def node_local(self) -> Path:
+        """A folder that is a separate, empty tmpfs on each node (for jobs; empty from outside)."""
+        return self.base / "node_local"
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.base / "log" / f"{name}.stdout", "w")
@@ -159,9 +168,9 @@ class Cluster:
             raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr}")
         return res
 
-    def sbatch(self, args: list[str], env: dict | None = None) -> str:
-        res = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=30,
-                             env={**os.environ, **self.env, **(env or {})})
+    def sbatch(self, args: list[str], env: dict | None = None, unset: tuple[str, ...] = ()) -> str:
+        full = {k: v for k, v in {**os.environ, **self.env, **(env or {})}.items() if k not in unset}
+        res = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=30, env=full)
         if res.returncode != 0:
             raise RuntimeError(f"sbatch failed: {res.stderr}")
         return res.stdout.strip().split(";")[0]

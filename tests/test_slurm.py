@@ -35,14 +35,15 @@ def reference(tmp_path_factory):
     return read_json(d / "summary.json")
 
 
-def submit(cluster, template, run_dir, *extra_args, sbatch=(), nproc=2, env=None):
+def submit(cluster, template, run_dir, *extra_args, sbatch=(), nproc=2, env=None, unset=()):
     out = Path(run_dir).parent / f"{Path(run_dir).name}-%j.out"
     args = ["--nodes=2", "--time=5", f"--output={out}", "--chdir", str(ROOT), *sbatch, str(ROOT / "slurm" / template),
             *ARGS, "--run_dir", str(run_dir), *extra_args]
     if template == "srun.sbatch":
         args.insert(0, f"--ntasks-per-node={nproc}")
-    return cluster.sbatch(args, env={"PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "OMP_NUM_THREADS": "1",
-                                     "CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    env = {"PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           **(env or {})}
+    return cluster.sbatch(args, env={k: v for k, v in env.items() if k not in unset}, unset=unset)
 
 
 def output(run_dir, job_id) -> str:
@@ -179,3 +180,51 @@ def test_mistake_unresolvable_master(cluster, tmp_path):
     text = output(run_dir, job)
     assert info["JobState"] == "FAILED", text
     assert "does not resolve" in text and "no-such-host.invalid" in text and "Traceback" not in text
+
+
+def test_both_templates_same_weights_without_setting_threads(cluster, tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 for its workers, srun sets nothing: ddp_kit picks the threads per
+    rank by one rule under both (and says so), so the two layouts train the same weights."""
+    shas, lines = {}, {}
+    for template in ("srun.sbatch", "torchrun.sbatch"):
+        run_dir = tmp_path / template
+        job = submit(cluster, template, run_dir, "--epochs", "1", unset=("OMP_NUM_THREADS",))
+        info = cluster.wait_job(job, timeout=240)
+        text = output(run_dir, job)
+        assert info["JobState"] == "COMPLETED", describe(cluster, {0: job}, {0: run_dir})
+        shas[template] = read_json(run_dir / "summary.json")["param_sha256"]
+        lines[template] = [ln for ln in text.splitlines() if "intra-op thread" in ln]
+    assert all(len(v) == 1 for v in lines.values()), lines
+    assert shas["srun.sbatch"] == shas["torchrun.sbatch"], (shas, lines)
+
+
+def _wrap_job(cluster, tmp_path, script: str) -> tuple[dict, str]:
+    out = tmp_path / "o-%j.out"
+    job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=2", "--time=3", f"--output={out}", "--chdir", str(ROOT),
+                          "--wrap", script], env={"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+                                                  "NL": str(cluster.node_local)})
+    t0 = time.monotonic()
+    info = cluster.wait_job(job, timeout=180)
+    info["took_s"] = time.monotonic() - t0
+    return info, (tmp_path / f"o-{job}.out").read_text(errors="replace")
+
+
+def test_config_file_on_one_node_only(cluster, tmp_path):
+    """The config file exists on node1's local disk only: node2's ranks say they cannot read it, and
+    node1's ranks stop within seconds naming them instead of waiting in the rendezvous."""
+    info, text = _wrap_job(cluster, tmp_path, f'echo "epochs: 1" > "$NL/c.yaml" && srun "$PYTHON" -m ddp_kit.train "$NL/c.yaml" '
+                                              f'--run_dir {tmp_path / "run"} --progress false --init_timeout_s 120')
+    errs = [ln for ln in text.splitlines() if ln.startswith("ddp_kit: error:")]
+    assert info["JobState"] == "FAILED" and info["took_s"] < 60, (info, text)
+    assert errs and all("node2]" in ln and "not found" in ln for ln in errs), text
+    assert "stopping: rank 2 on node2" in text or "stopping: rank 3 on node2" in text, text
+
+
+def test_run_dir_not_shared_between_nodes(cluster, tmp_path):
+    """run_dir on each node's local disk: refused at startup in one line, before any training step."""
+    info, text = _wrap_job(cluster, tmp_path, f'srun "$PYTHON" -m ddp_kit.train --run_dir "$NL/run" --progress false '
+                                              f'--epochs 1')
+    errs = [ln for ln in text.splitlines() if ln.startswith("ddp_kit: error:")]
+    assert info["JobState"] == "FAILED" and len(errs) == 1, text
+    assert "is not one shared folder" in errs[0] and "node2" in errs[0] and "Traceback" not in text, text
+    assert "step 1" not in text and "done:" not in text

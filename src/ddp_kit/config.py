@@ -211,12 +211,14 @@ def _read_text(p: Path) -> str:
     if p.is_dir():
         raise UserError(f"config file {str(p)!r} is a folder", "pass a YAML file, e.g. configs/default.yaml")
     if not p.is_file():
-        raise UserError(f"config file {str(p)!r} not found", "pass an existing YAML file, e.g. configs/default.yaml")
+        # local: a file missing on one node only is that node's ranks' to report (the others may see it)
+        raise UserError(f"config file {str(p)!r} not found", "pass an existing YAML file (on every node), e.g. "
+                        "configs/default.yaml", local=True)
     try:
         raw = p.read_bytes()
     except OSError as exc:
         raise UserError(f"config file {str(p)!r} cannot be read ({exc.strerror or exc})",
-                        "check its permissions, or pass another file") from None
+                        "check its permissions, or pass another file", local=True) from None
     try:
         return raw.decode("utf-8-sig")  # -sig: editors on Windows start UTF-8 files with a BOM
     except UnicodeDecodeError as exc:

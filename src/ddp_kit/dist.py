@@ -35,6 +35,13 @@ class DistContext:
     # The rendezvous store: lives outside the process group, so it answers while a collective hangs.
     # None at world size 1 (nothing to tell anyone).
     store: Any = field(default=None, compare=False)
+    timeout_s: float = 600.0
+
+    def store_client(self) -> tdist.Store | None:
+        """A connection of its own to the rendezvous store, for a helper thread: a TCPStore client
+        serves one request at a time, so a thread sharing the main thread's connection would wait
+        behind its blocking `wait()`s (a checkpoint commit, a rendezvous)."""
+        return client_store(self.env, self.timeout_s)
 
     @property
     def control_device(self) -> torch.device:
@@ -109,6 +116,15 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
     return backend
 
 
+def client_store(env: DistEnv, timeout_s: float) -> tdist.Store | None:
+    """A new client connection to the job's store (None at world size 1)."""
+    if env.world_size == 1:
+        return None
+    store = tdist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return tdist.PrefixStore(store_prefix(env.restart_count), store)
+
+
 def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
     """The rendezvous store for the default group, namespaced by restart attempt.
 
@@ -156,7 +172,7 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     store = failfast = None
     try:
         store = _make_store(env, timeout)
-        failfast = FailFast(store if env.world_size > 1 else None, env.rank, env.world_size).start()
+        failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size).start()
         kwargs: dict[str, Any] = {}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
@@ -175,7 +191,7 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     finally:
         deadline.cancel()
     try:
-        yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None)
+        yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None, timeout_s=timeout_s)
     finally:
         failfast.stop()
         teardown()

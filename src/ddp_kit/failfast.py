@@ -81,13 +81,15 @@ def say_stop(rank: int, failed: dict) -> None:
 class FailFast:
     """One daemon thread per rank: exits this process (code 1) once another rank posts a failure."""
 
-    def __init__(self, store, rank: int, world_size: int, poll_s: float = 0.5):
-        self.store, self.rank, self.world_size, self.poll_s = store, rank, world_size, poll_s
+    def __init__(self, connect, rank: int, world_size: int, poll_s: float = 0.5):
+        """`connect()` returns this thread's own store connection (made in the thread: it may wait for
+        rank 0 to open the store, and the main thread must not)."""
+        self.connect, self.rank, self.world_size, self.poll_s = connect, rank, world_size, poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-failfast", daemon=True)
 
     def start(self) -> "FailFast":
-        if self.store is not None and self.world_size > 1:
+        if self.world_size > 1:
             self._thread.start()
         return self
 
@@ -97,9 +99,13 @@ class FailFast:
             self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        try:
+            store = self.connect()
+        except Exception:
+            return  # no store to watch: the rendezvous itself reports why
         while not self._stop.wait(self.poll_s):
             try:
-                failed = peer_failure(self.store, self.rank)
+                failed = peer_failure(store, self.rank)
             except Exception:
                 return  # the store went away: the job is ending anyway
             if failed and not self._stop.is_set():

@@ -8,7 +8,7 @@ OMP_NUM_THREADS wins; torchrun's automatic 1 is not a user's choice and is repla
 
 Allocator: glibc's dynamic mmap threshold maps and unmaps each step's large tensors (a page-fault
 storm per step, ~20% of a small CPU step); fixed thresholds keep them in the heap. Set at init
-with mallopt unless the user set MALLOC_* variables. See BENCHMARKS.md.
+with mallopt unless the user set MALLOC_* variables (or DDP_KIT_MALLOC=0). See BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -59,8 +59,13 @@ def _cpus_visible() -> int:
 
 
 def tune_allocator(environ: Mapping[str, str]) -> bool:
-    """Fixed glibc mmap/trim thresholds (unless the user set MALLOC_*); True when applied."""
-    if any(k.startswith("MALLOC_") for k in environ) or not sys.platform.startswith("linux"):
+    """Fixed glibc mmap/trim thresholds; True when applied.
+
+    Skipped when the user tuned malloc already (any MALLOC_* variable, or glibc.malloc.* in
+    GLIBC_TUNABLES) or set DDP_KIT_MALLOC=0 to keep glibc's defaults (bench/malloc_bench.py does).
+    """
+    user_tuned = any(k.startswith("MALLOC_") for k in environ) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+    if user_tuned or environ.get("DDP_KIT_MALLOC") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

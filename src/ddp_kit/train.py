@@ -156,7 +156,7 @@ def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, pre
          box: dict) -> dict[str, Any]:
     hang_dir = str(rd.hang)
     lock = writer = crash_file = None
-    watchdog = Watchdog(ctx.store, ctx.rank, ctx.world_size, progress, cfg.hang_timeout_s, cfg.init_timeout_s, hang_dir)
+    watchdog = Watchdog(ctx.store_client() if cfg.hang_timeout_s > 0 else None, ctx.rank, ctx.world_size, progress, cfg.hang_timeout_s, cfg.init_timeout_s, hang_dir)
     try:
         lock = prepare_run_dir(ctx, rd)
         writer = RunWriter(cfg.run_dir, ctx.is_main)
