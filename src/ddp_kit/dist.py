@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,7 +22,7 @@ import torch.distributed as tdist
 
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError
-from .failfast import FailFast, post, store_prefix
+from .failfast import LINGER_S, FailFast, post, store_prefix
 from .resources import apply_cpu_settings
 
 
@@ -125,6 +126,12 @@ def client_store(env: DistEnv, timeout_s: float) -> tdist.Store | None:
     return tdist.PrefixStore(store_prefix(env.restart_count), store)
 
 
+def hosts_store(env: DistEnv) -> bool:
+    """True for the process whose exit takes the store down: rank 0, unless torchrun's agent hosts it."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.launcher == "torchrun"
+    return env.world_size > 1 and env.rank == 0 and not agent_store
+
+
 def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
     """The rendezvous store for the default group, namespaced by restart attempt.
 
@@ -134,15 +141,15 @@ def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
     """
     if env.world_size == 1:
         return tdist.HashStore()
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.launcher == "torchrun"
+    host = hosts_store(env)
     store = tdist.TCPStore(
         host_name=env.master_addr,
         port=env.master_port,
         world_size=env.world_size,
-        is_master=(env.rank == 0 and not agent_store),
+        is_master=host,
         timeout=timeout,
         wait_for_workers=False,
-        multi_tenant=not agent_store,
+        multi_tenant=host,
     )
     return tdist.PrefixStore(store_prefix(env.restart_count), store)
 
@@ -172,7 +179,8 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     store = failfast = None
     try:
         store = _make_store(env, timeout)
-        failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size).start()
+        failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
+                            linger_s=LINGER_S if hosts_store(env) else 0.0).start()
         kwargs: dict[str, Any] = {}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
@@ -187,6 +195,8 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         post(store, env.rank, 0, "startup", err)
         if failfast:
             failfast.stop()
+        if hosts_store(env):
+            time.sleep(LINGER_S)  # keep the store up until the others have read why
         raise err from exc
     finally:
         deadline.cancel()

@@ -16,12 +16,16 @@ import os
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as tdist
 
 EXIT_PEER_FAILED = 1
 FAILED_KEY = "ddp_kit/failed"
+# How long the process hosting the store (rank 0 outside torchrun) stays after a failure is posted:
+# once it exits the store is gone, and ranks that had not polled yet would see only a broken socket.
+LINGER_S = 1.5
 
 
 def store_prefix(restart_count: int) -> str:
@@ -81,10 +85,11 @@ def say_stop(rank: int, failed: dict) -> None:
 class FailFast:
     """One daemon thread per rank: exits this process (code 1) once another rank posts a failure."""
 
-    def __init__(self, connect, rank: int, world_size: int, poll_s: float = 0.5):
+    def __init__(self, connect, rank: int, world_size: int, poll_s: float = 0.5, linger_s: float = 0.0):
         """`connect()` returns this thread's own store connection (made in the thread: it may wait for
         rank 0 to open the store, and the main thread must not)."""
         self.connect, self.rank, self.world_size, self.poll_s = connect, rank, world_size, poll_s
+        self.linger_s = linger_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-failfast", daemon=True)
 
@@ -110,6 +115,7 @@ class FailFast:
                 return  # the store went away: the job is ending anyway
             if failed and not self._stop.is_set():
                 say_stop(self.rank, failed)
+                time.sleep(self.linger_s)
                 os._exit(EXIT_PEER_FAILED)
 
 

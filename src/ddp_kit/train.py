@@ -20,11 +20,11 @@ from . import __version__
 from .checkpoint import archive_abandoned
 from .config import TrainConfig, help_text, resolve
 from .data import per_rank_batch
-from .dist import DistContext, all_gather_object, barrier, broadcast_object, distributed
+from .dist import DistContext, all_gather_object, barrier, broadcast_object, distributed, hosts_store
 from .doctor import findings_for_error, is_cuda_error, oom_report
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
-from .failfast import EXIT_PEER_FAILED, announce, peer_failure, post, same_error, say_stop
+from .failfast import EXIT_PEER_FAILED, LINGER_S, announce, peer_failure, post, same_error, say_stop
 from .faults import parse as parse_faults
 from .job import Job, build, resume, save_checkpoint
 from .loop import rank0_printer, train
@@ -135,6 +135,12 @@ def fresh_or_continue(job: Job, rd: RunDir, writer: RunWriter, say) -> None:
         say(f"ddp_kit: moved checkpoint(s) {', '.join(f'step_{s}' for s in moved)} of an abandoned run to {rd.archive}/")
 
 
+def linger(ctx: DistContext) -> None:
+    """The store host stays a moment after posting a failure, so the others read it (see LINGER_S)."""
+    if hosts_store(ctx.env):
+        time.sleep(LINGER_S)
+
+
 def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
     """Run the job described by `cfg` in this process's place in the job; returns the summary."""
     env = detect() if env is None else env
@@ -208,6 +214,7 @@ def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, pre
         # problem (another missing file) prints its own too.
         if stands is None or stands["rank"] == ctx.rank or (err.local and not same_error(stands, err)):
             print(err.line(), file=sys.stderr, flush=True)
+        linger(ctx)
         raise Reported(EXIT_USER_ERROR) from None
     except Reported:
         raise
@@ -234,6 +241,7 @@ def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, pre
             for line in notes + findings_for_error(err, cfg.amp):
                 print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
         post(ctx.store, ctx.rank, progress.step, progress.phase, err)
+        linger(ctx)
         raise Reported(1) from err
     finally:
         watchdog.stop()
