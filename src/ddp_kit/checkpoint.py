@@ -18,13 +18,11 @@ exists and matches its files counts as a checkpoint.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +30,11 @@ from typing import Any, Callable
 
 import torch
 
+from .ckpt_folder import MANIFEST, choose, latest_name, point_latest, step_numbers
 from .dist import DistContext, broadcast_object
 from .durable import fsync_dir, write_durable
 from .errors import UserError
 
-MANIFEST = "manifest.json"
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:
@@ -104,12 +102,12 @@ class Checkpointer:
         goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
         copied to CPU when async."""
         self.wait()  # a second save waits for the first
-        if self.ctx.is_main and "model" in shared:
+        if "model" in shared:  # every rank holds the same weights: every rank reaches the same verdict
             bad = nonfinite_tensors(shared["model"])
             if bad:  # never let NaN weights become `latest` and push the last finite ones out
                 raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite "
                                 f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); last checkpoint: "
-                                f"{_latest_name(self.root)}",
+                                f"{latest_name(self.root)}",
                                 "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
         if self.async_save:
             shared = snapshot(shared, self._buffers) if self.ctx.is_main else {}
@@ -124,7 +122,7 @@ class Checkpointer:
             self._commit(step, shared, per_rank, meta)
 
     def latest_name(self) -> str:
-        return _latest_name(self.root)
+        return latest_name(self.root)
 
     def _run_async(self, *args) -> None:
         try:
@@ -158,7 +156,7 @@ class Checkpointer:
             # The run stops: a run that cannot checkpoint cannot survive a preemption or a crash, and
             # hours of training with no restart point is the worse surprise. The rerun resumes.
             raise UserError(f"disk full while writing checkpoint step_{step} to {str(self.root)!r}: it needs about "
-                            f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; last checkpoint: {_latest_name(self.root)}",
+                            f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; last checkpoint: {latest_name(self.root)}",
                             "free space on that disk, or lower --keep_last; then rerun the same command to resume",
                             local=True) from None
 
@@ -198,9 +196,12 @@ class Checkpointer:
                 shutil.rmtree(trash, ignore_errors=True)
                 os.replace(final, trash)
                 shutil.rmtree(trash, ignore_errors=True)
+            # `latest` first: a kill between the two leaves `latest` naming a folder that is not
+            # there yet, and resume falls back to the one before; the other order would leave a
+            # complete step_N above `latest` that resume would take for an abandoned run's.
+            point_latest(self.root, name)
             os.replace(tmp, final)
             fsync_dir(self.root)
-            _point_latest(self.root, name)
             self._retain(step)
             if store:
                 store.set(f"{key}/committed", "1")
@@ -210,11 +211,11 @@ class Checkpointer:
     def _retain(self, newest: int) -> None:
         """Drop all but the newest `keep_last` (the one just committed is always kept). Old folders are
         renamed out of the way at once and deleted in the background: unlinking ~100 MB costs ~20 ms."""
-        for old in self.root.glob(".trash_*"):  # left by a process that exited mid-delete
-            shutil.rmtree(old, ignore_errors=True)
+        for old in [*self.root.glob(".trash_*"), *self.root.glob(".tmp_step_*")]:  # left by a process that exited
+            shutil.rmtree(old, ignore_errors=True)                                 # mid-delete or mid-save
         if self.keep_last < 1:
             return
-        steps = sorted((s for s in _steps(self.root) if s <= newest), reverse=True)
+        steps = sorted((s for s in step_numbers(self.root) if s <= newest), reverse=True)
         doomed = []
         for s in steps[max(self.keep_last, 1):]:
             trash = self.root / f".trash_step_{s}"
@@ -231,7 +232,7 @@ class Checkpointer:
         choice = None
         if self.ctx.is_main:
             try:
-                choice = ("ok", _choose(self.root, resume, warn))
+                choice = ("ok", choose(self.root, resume, warn))
             except UserError as err:
                 choice = ("error", (err.message, err.hint))
         kind, value = broadcast_object(self.ctx, choice)
@@ -266,117 +267,10 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def _latest_name(root: Path) -> str:
-    step = read_latest(root)
-    return f"step_{step}" if step is not None else "none yet"
-
-
 def _td(seconds: float):
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
-
-
-def _steps(root: Path) -> list[int]:
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-            out.append(int(p.name[5:]))
-    return out
-
-
-def validate(path: Path) -> str | None:
-    """None when `path` is a complete checkpoint; otherwise the reason it is not, in a few words."""
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        return "no manifest (save did not finish)"
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError):
-        return "unreadable manifest"
-    for name, want in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} is truncated ({f.stat().st_size} of {want['size']} bytes)"
-        sha = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                sha.update(chunk)
-        if sha.hexdigest() != want["sha256"]:
-            return f"{name} is corrupt (checksum mismatch)"
-    return None
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path, str | None]]:
-    """(step, path, reason-if-invalid) for every step folder, newest first."""
-    return [(s, root / f"step_{s}", validate(root / f"step_{s}")) for s in sorted(_steps(root), reverse=True)]
-
-
-def read_latest(root: Path) -> int | None:
-    """The step `latest` names, or None when there is no (readable) `latest`."""
-    try:
-        name = (root / "latest").read_text().strip()
-    except OSError:
-        return None
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
-
-
-def _choose(root: Path, resume: str, warn: Callable[[str], None]) -> tuple[str, int] | None:
-    """resume=auto: the checkpoint `latest` names, once validated. Only when it is damaged, the newest
-    valid one below it. Steps above `latest` belong to a run that was abandoned (`--resume never`, or
-    a resume from an older checkpoint) and are never chosen."""
-    if resume == "never":
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        if not path.exists():
-            raise UserError(f"checkpoint {str(path)!r} does not exist",
-                            "pick one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
-        reason = validate(path)
-        if reason:
-            raise UserError(f"checkpoint {str(path)!r} cannot be resumed: {reason}",
-                            "pick a valid one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
-        meta = json.loads((path / "meta.json").read_text())
-        return str(path), int(meta["step"])
-    latest = read_latest(root)
-    for step, path, reason in list_checkpoints(root):
-        if latest is not None and step > latest:
-            continue
-        if reason is None:
-            return str(path), step
-        warn(f"checkpoint {path.name} is not usable ({reason}); falling back to an older one")
-    return None
-
-
-def archive_abandoned(root: Path, keep_upto: int | None, archive_root: Path) -> list[int]:
-    """Move every step above `keep_upto` (all of them when None: a fresh start) out of `root`, into
-    `archive_root/<time>/`, and point `latest` at `keep_upto`. Nothing is deleted: a wrong
-    `--resume never` can be undone by moving the folders back. Returns the steps moved."""
-    moved = sorted(s for s in _steps(root) if keep_upto is None or s > keep_upto)
-    if moved:
-        dest = archive_root / time.strftime("%Y%m%dT%H%M%S")
-        dest.mkdir(parents=True, exist_ok=True)
-        for s in moved:
-            os.replace(root / f"step_{s}", dest / f"step_{s}")
-    if keep_upto is None:
-        (root / "latest").unlink(missing_ok=True)
-    elif moved or read_latest(root) != keep_upto:
-        _point_latest(root, f"step_{keep_upto}")
-    if moved or keep_upto is None:
-        fsync_dir(root) if root.is_dir() else None
-    return moved
-
-
-def _point_latest(root: Path, name: str) -> None:
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, root / "latest")
-    fsync_dir(root)
 
 
 if __name__ == "__main__":  # python -m ddp_kit.checkpoint list|export ...

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .checkpoint import list_checkpoints, validate
+from .ckpt_folder import list_checkpoints, validate
 from .errors import EXIT_USER_ERROR, UserError
 
 LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"

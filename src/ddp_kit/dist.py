@@ -37,6 +37,7 @@ class DistContext:
     # None at world size 1 (nothing to tell anyone).
     store: Any = field(default=None, compare=False)
     timeout_s: float = 600.0
+    failfast: Any = field(default=None, compare=False)  # FailFast: `quiet()` it before handling a failure
 
     def store_client(self) -> tdist.Store | None:
         """A connection of its own to the rendezvous store, for a helper thread: a TCPStore client
@@ -82,7 +83,7 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
             return torch.device("cuda", env.local_rank)
         if device == "cuda":
             raise UserError("device=cuda was asked for but torch.cuda.is_available() is False",
-                            "run `python -m ddp_kit.doctor` to see why, or use --device cpu")
+                            "run `python -m ddp_kit.doctor` to see why, or use --device cpu", local=True)
         return torch.device("cpu")
     raise UserError(f"unknown device {device!r}", "use auto, cpu or cuda")
 
@@ -113,7 +114,8 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise UserError("backend nccl needs CUDA devices but this run is on cpu", "use --backend gloo (or auto)")
+        raise UserError("backend nccl needs CUDA devices but this run is on cpu", "use --backend gloo (or auto)",
+                        local=True)
     return backend
 
 
@@ -192,16 +194,18 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
             f"could not join the process group at {env.master_addr}:{env.master_port} as rank {env.rank}/{env.world_size}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
             "check that every rank can reach MASTER_ADDR:MASTER_PORT, or run `python -m ddp_kit.doctor`",
             rank=env.rank)
-        post(store, env.rank, 0, "startup", err)
         if failfast:
-            failfast.stop()
+            failfast.quiet()
+        post(store, env.rank, 0, "startup", err)
+        err.posted = True  # the CLI need not announce it again
         if hosts_store(env):
             time.sleep(LINGER_S)  # keep the store up until the others have read why
         raise err from exc
     finally:
         deadline.cancel()
     try:
-        yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None, timeout_s=timeout_s)
+        yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None,
+                          timeout_s=timeout_s, failfast=failfast)
     finally:
         failfast.stop()
         teardown()
@@ -223,8 +227,7 @@ def nccl_defaults(dump_dir: str | None) -> None:
     in our own environment just before init; nothing else here writes the environment."""
     defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                 "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
+    if dump_dir:  # the folder is made after run_dir is checked (a read-only run_dir is one line, not a traceback)
         defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "nccl_trace_rank_")
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

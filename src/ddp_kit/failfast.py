@@ -77,8 +77,12 @@ def stop_line(rank: int, failed: dict) -> str:
             f"in {failed['phase']} ({failed['error']})")
 
 
+_said = threading.Event()  # the stop line is printed at most once per process (two threads may see the failure)
+
+
 def say_stop(rank: int, failed: dict) -> None:
-    if rank == reporter(failed):
+    if rank == reporter(failed) and not _said.is_set():
+        _said.set()
         print(stop_line(rank, failed), file=sys.stderr, flush=True)
 
 
@@ -97,6 +101,11 @@ class FailFast:
         if self.world_size > 1:
             self._thread.start()
         return self
+
+    def quiet(self) -> None:
+        """This process is handling a failure of its own: its exit code and message are already
+        decided, so the thread must not end it as a follower of some other rank's failure."""
+        self._stop.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,7 +128,7 @@ class FailFast:
                 os._exit(EXIT_PEER_FAILED)
 
 
-def announce(env, err: BaseException, timeout_s: float = 15.0) -> None:
+def announce(env, err: BaseException, timeout_s: float = 30.0) -> None:
     """Post a failure that happened before this rank joined (no store yet), so that the others
     stop within seconds instead of waiting out the rendezvous timeout. Best effort."""
     if env.world_size < 2 or not env.master_addr or not env.master_port:

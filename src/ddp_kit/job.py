@@ -6,6 +6,7 @@ plain dicts `checkpoint.py` writes, and back.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 from . import __version__
 from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .config import TrainConfig, describe_changes, recipe_changes
-from .data import TrainLoader, build_dataset, eval_loader
+from .data import TrainLoader, eval_loader
+from .datasets import build_dataset
 from .dist import DistContext
 from .errors import UserError
 from .faults import Injector, parse as parse_faults
@@ -44,6 +46,7 @@ class Job:
     step: int = 0
     saved_step: int = -1
     resumed_from: int | None = None
+    resumed_path: Path | None = None
     progress: Progress = field(default_factory=Progress)
     preempt: PreemptFlag | None = None
     timer: StepTimer = field(default_factory=StepTimer)
@@ -124,7 +127,7 @@ def resume(job: Job, say) -> None:
     job.scheduler.load_state_dict(shared["scheduler"])
     job.scaler.load_state_dict(shared["scaler"])
     job.step = job.saved_step = int(shared["loop"]["step"])
-    job.resumed_from = job.step
+    job.resumed_from, job.resumed_path = job.step, found.path
     job.faults = Injector((), ctx.rank, armed=False)  # a resumed run is the recovery, not the fault
     note = job.train_loader.load_state_dict(shared["data"])
     if ctx.world_size > 1:  # only DDP has buckets to settle

@@ -111,6 +111,8 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                 barrier(ctx)
                 set_collective_timeout(ctx, cfg.collective_timeout_s)
                 first_step_done = progress.warm = True
+                if job.preempt is not None:
+                    job.preempt.started()  # from here a stop signal is agreed on and checkpointed
             if bar:
                 bar.update(1)
             timer = job.timer
@@ -118,6 +120,7 @@ def train(job: Job, writer: RunWriter) -> dict[str, Any]:
                 stop_if_signalled(job)
             if cfg.sync_check_every and job.step % cfg.sync_check_every == 0:
                 with waiting_on_ranks(job, "sync check"):
+                    job.nonfinite.check(ctx, job.ckpt)  # NaN weights would read as divergence
                     warning = check_consistency(ctx, job.model, job.step, cfg.sync_fix)
                 if warning:
                     say(f"ddp_kit: warning: {warning}", bar)

@@ -33,8 +33,9 @@ class RunWriter:
         if not self.is_main or not (self.run_dir / "metrics.jsonl").exists():
             return
         lines = (self.run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
-        keep = [ln for ln in lines if after_step is not None and _step_of(ln) <= after_step]
-        gone = [ln for ln in lines if ln not in keep]
+        keep, gone = [], []
+        for ln in lines:
+            (keep if after_step is not None and _step_of(ln) <= after_step else gone).append(ln)
         summary = self.run_dir / "summary.json"
         if not gone and not summary.exists():
             return

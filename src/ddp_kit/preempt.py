@@ -51,6 +51,7 @@ class PreemptFlag:
         self.signum = 0
         self.rank = rank
         self.startup = True
+        self.closing = False  # the process is already ending on an error of its own
         self.where = where or (lambda: (0, None))
         self._first_int = 0.0
         self._previous: dict[int, object] = {}
@@ -89,6 +90,8 @@ class PreemptFlag:
                     self._on_signal(signum)
 
     def _on_signal(self, signum: int) -> None:
+        if self.closing:
+            return
         now = time.monotonic()
         if signum == signal.SIGINT:
             if self._first_int and now - self._first_int > SAME_PRESS_S:
@@ -117,13 +120,18 @@ class PreemptFlag:
             self._wakeup = None
 
 
+# When ranks received different signals, the one that asks for the most wins: a preemption warning
+# (requeue) over a plain stop over Ctrl-C.
+PRIORITY = (0, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
 def agreed_signal(ctx: DistContext, flag: PreemptFlag) -> int:
     """The signal any rank received (0 if none), identical on every rank."""
     if ctx.world_size == 1:
         return flag.signum
-    t = torch.tensor([flag.signum], dtype=torch.int64, device=ctx.control_device)
+    t = torch.tensor([PRIORITY.index(flag.signum)], dtype=torch.int64, device=ctx.control_device)
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return int(t.item())
+    return int(PRIORITY[int(t.item())])
 
 
 def requeue_target(environ: Mapping[str, str]) -> str | None:

@@ -23,6 +23,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,17 +80,27 @@ class RunLock:
     """The flock on run_dir/.lock, held by rank 0 of the job using the folder."""
 
     def __init__(self, path: Path, job_id: str | None):
-        self.path, self.job_id = path, job_id
+        # torchrun's default rendezvous id is the same for every job ("none"): no identity at all
+        self.path, self.job_id = path, (job_id if job_id not in (None, "", "none") else None)
         self._fd: int | None = None
 
     def acquire(self, wait_same_job_s: float = LOCK_WAIT_SAME_JOB_S) -> "RunLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot open the run lock {str(self.path)!r}: {exc.strerror}",
+                            "check the permissions of run_dir (is it another user's?)", local=True) from None
         deadline = time.monotonic() + wait_same_job_s
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError as exc:
+                if exc.errno in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                    os.close(fd)  # e.g. Lustre mounted noflock: run unguarded rather than not at all
+                    print(f"ddp_kit: warning: {str(self.path.parent)!r} does not support file locks "
+                          f"({exc.strerror}); two jobs in this run_dir would not be stopped", file=sys.stderr, flush=True)
+                    return self
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     os.close(fd)
                     raise UserError(f"cannot lock {str(self.path)!r}: {exc.strerror}",

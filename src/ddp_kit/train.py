@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .checkpoint import archive_abandoned
+from .ckpt_folder import archive_abandoned
 from .config import TrainConfig, help_text, resolve
 from .data import per_rank_batch
 from .dist import DistContext, all_gather_object, barrier, broadcast_object, distributed, hosts_store
@@ -89,10 +89,14 @@ def rank0_verdict(ctx: DistContext, check) -> Any:
         try:
             out = ("ok", check())
         except UserError as err:
-            out = ("error", (err.message, err.hint))
+            err.at(ctx.rank)
+            out = ("error", (err.message, err.hint, err.rank, err.host))
     kind, value = broadcast_object(ctx, out)
     if kind == "error":
-        raise UserError(*value)
+        message, hint, rank, host = value
+        err = UserError(message, hint, rank=rank)
+        err.host = host
+        raise err
     return value
 
 
@@ -129,10 +133,20 @@ def fresh_or_continue(job: Job, rd: RunDir, writer: RunWriter, say) -> None:
         if not (rd.checkpoints / "latest").exists():
             writer.supersede(None, rd.archive)  # a first run: earlier metrics without checkpoints are not ours
         return
-    moved = archive_abandoned(rd.checkpoints, job.resumed_from, rd.archive)
-    writer.supersede(job.resumed_from, rd.archive)
+    ours = job.resumed_path is not None and job.resumed_path.resolve().parent == rd.checkpoints.resolve()
+    # A checkpoint from another folder starts a new lineage here: whatever this folder held is abandoned.
+    moved = archive_abandoned(rd.checkpoints, job.resumed_from if ours else None, rd.archive)
+    writer.supersede(job.resumed_from if ours else None, rd.archive)
     if moved:
         say(f"ddp_kit: moved checkpoint(s) {', '.join(f'step_{s}' for s in moved)} of an abandoned run to {rd.archive}/")
+
+
+def closing(ctx: DistContext, flag: PreemptFlag) -> None:
+    """This process handles its own failure now: no follow-on exit by fail-fast, and a SIGTERM that
+    torchrun sends to the survivors is not mistaken for a preemption."""
+    if ctx.failfast is not None:
+        ctx.failfast.quiet()
+    flag.closing = True
 
 
 def linger(ctx: DistContext) -> None:
@@ -175,16 +189,17 @@ def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, pre
             f"global batch {cfg.batch_size} = {ctx.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
             f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}")
         resume(job, say)
+        progress.enter(progress.phase, job.step)
         fresh_or_continue(job, rd, writer, say)
         writer.write_config(cfg.to_dict())
         startup_agreement(job)
         job.preempt = preempt_flag
         try:
-            preempt_flag.started()  # from here a stop signal is agreed on and checkpointed
             result = train(job, writer)
             save_checkpoint(job)  # the final one; returns at once if this step is already saved
         except Preempted as stop:
             save_checkpoint(job)
+            progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
             job.ckpt.wait()
             wants_requeue = stop.signum == signal.SIGUSR2 and ctx.env.batch_job_id is not None
             code = exit_code(stop.signum)
@@ -208,6 +223,7 @@ def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, pre
             f"{summary['eval_samples']} samples, {summary['wall_s']:.1f}s, param_sha256 {summary['param_sha256'][:16]}")
         return summary
     except UserError as err:
+        closing(ctx, preempt_flag)
         err.at(ctx.rank)
         stands = post(ctx.store, ctx.rank, progress.step, progress.phase, err)
         # Once for the job: the rank whose failure stands prints it; a rank with a different local
@@ -219,6 +235,7 @@ def _run(cfg: TrainConfig, ctx: DistContext, rd: RunDir, progress: Progress, pre
     except Reported:
         raise
     except Exception as err:
+        closing(ctx, preempt_flag)
         if watchdog.aborting.is_set():  # the hang report is out; this error is its echo
             time.sleep(30)  # the watchdog ends the process with the hang exit code
             raise Reported(EXIT_HANG) from err
