@@ -142,8 +142,8 @@ class Checkpointer:
     def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict) -> None:
         try:
             self._commit_files(step, shared, per_rank, meta)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        except (OSError, RuntimeError) as exc:
+            if not _disk_full(exc):
                 raise
             # Nothing half-written stays behind; the committed checkpoints are untouched.
             tmp = self.root / f".tmp_step_{step}"
@@ -249,6 +249,17 @@ class Checkpointer:
         per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         meta = json.loads((found.path / "meta.json").read_text())
         return shared, per_rank, meta
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain: torch.save's zip writer re-raises a write error as a
+    RuntimeError ("unexpected pos ...") with the OSError as its context."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def nonfinite_tensors(state: dict) -> list[str]:

@@ -6,9 +6,9 @@ torchrun layout). One rule for all: the CPUs of this node's allocation (SLURM_CP
 SLURM, else the CPUs this process may run on) divided by the ranks on this node. A user's own
 OMP_NUM_THREADS wins; torchrun's automatic 1 is not a user's choice and is replaced.
 
-Allocator: glibc's dynamic mmap threshold maps and unmaps each step's large tensors (a page-fault
-storm per step, ~20% of a small CPU step); fixed thresholds keep them in the heap. Set at init
-with mallopt unless the user set MALLOC_* variables (or DDP_KIT_MALLOC=0). See BENCHMARKS.md.
+Allocator: glibc's dynamic thresholds make it return each step's freed heap to the kernel and fault
+it back in the next step (~1,500 page faults and 10-20% of a small CPU step at 2 ranks); fixed
+thresholds keep it. Set at init with mallopt unless the user set MALLOC_* variables (or DDP_KIT_MALLOC=0). See BENCHMARKS.md.
 """
 from __future__ import annotations
 
