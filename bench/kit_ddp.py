@@ -16,12 +16,19 @@ from ddp_kit.train import run
 
 def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, seed: int = 0, size: int = 4096, **flags):
     ends: list[float] = []
+    faults: list[int] = []
+    stimes: list[float] = []
+    utimes: list[float] = []
     first = {}
     step_fn = loop.train_step
 
     def timed(job, micro):
         loss = step_fn(job, micro)
         ends.append(time.perf_counter())
+        ru = resource.getrusage(resource.RUSAGE_SELF)  # ~1 us; page faults and CPU time per step
+        faults.append(ru.ru_minflt)
+        stimes.append(ru.ru_stime)
+        utimes.append(ru.ru_utime)
         if len(ends) == 1:
             first["wall"] = time.time()
         return loss
@@ -36,7 +43,7 @@ def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, se
         with open(out, "w") as f:
             json.dump({"ends": ends, "first_step_after_launch_s": first["wall"] - float(os.environ["BENCH_LAUNCH_T"]),
                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                       "param_sha256": summary["param_sha256"]}, f)
+                       "param_sha256": summary["param_sha256"], "minflt": faults, "stime": stimes, "utime": utimes}, f)
 
 
 if __name__ == "__main__":

@@ -320,3 +320,11 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, launcher):
     assert not group_alive(p.pid), "processes left behind"
     rerun = ok(train(tmp_path, "--epochs", "3", "--ckpt_every", "100", nproc=1 if launcher == "python" else 2))
     assert "resumed from" in rerun.stdout
+
+
+def test_allocator_tuning_yields_to_the_user():
+    from ddp_kit.resources import tune_allocator
+
+    assert tune_allocator({"DDP_KIT_MALLOC": "0"}) is False
+    assert tune_allocator({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"}) is False
+    assert tune_allocator({"MALLOC_ARENA_MAX": "8"}) is False
