@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .ckpt_folder import MANIFEST, choose, latest_name, point_latest, step_numbers
-from .dist import DistContext, broadcast_object
+from .dist import DistContext, rank0_verdict
 from .durable import fsync_dir, write_durable
 from .errors import UserError
 
@@ -229,15 +229,7 @@ class Checkpointer:
 
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
         """Rank 0 picks the checkpoint to resume from (auto: newest valid); every rank gets its choice."""
-        choice = None
-        if self.ctx.is_main:
-            try:
-                choice = ("ok", choose(self.root, resume, warn))
-            except UserError as err:
-                choice = ("error", (err.message, err.hint))
-        kind, value = broadcast_object(self.ctx, choice)
-        if kind == "error":
-            raise UserError(*value)
+        value = rank0_verdict(self.ctx, lambda: choose(self.root, resume, warn))
         return Found(Path(value[0]), value[1]) if value else None
 
     def load(self, found: Found) -> tuple[dict, dict | None, dict]:

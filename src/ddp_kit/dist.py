@@ -283,3 +283,22 @@ def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
     box = [obj]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def rank0_verdict(ctx: DistContext, check) -> Any:
+    """Run `check()` on rank 0 only; every rank returns its result or raises its UserError, so the
+    job stops together with one message."""
+    out = None
+    if ctx.is_main:
+        try:
+            out = ("ok", check())
+        except UserError as err:
+            err.at(ctx.rank)
+            out = ("error", (err.message, err.hint, err.rank, err.host))
+    kind, value = broadcast_object(ctx, out)
+    if kind == "error":
+        message, hint, rank, host = value
+        err = UserError(message, hint, rank=rank)
+        err.host = host
+        raise err
+    return value

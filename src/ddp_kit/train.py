@@ -20,7 +20,7 @@ from . import __version__
 from .ckpt_folder import archive_abandoned
 from .config import TrainConfig, help_text, resolve
 from .data import per_rank_batch
-from .dist import DistContext, all_gather_object, barrier, broadcast_object, distributed, hosts_store
+from .dist import DistContext, all_gather_object, barrier, distributed, hosts_store, rank0_verdict
 from .doctor import findings_for_error, is_cuda_error, oom_report
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
@@ -81,35 +81,19 @@ def _injected_config(cfg: TrainConfig, rank: int) -> TrainConfig:
     return cfg
 
 
-def rank0_verdict(ctx: DistContext, check) -> Any:
-    """Run `check()` on rank 0 only; every rank returns its result or raises its UserError, so the
-    job stops together with one message."""
-    out = None
-    if ctx.is_main:
-        try:
-            out = ("ok", check())
-        except UserError as err:
-            err.at(ctx.rank)
-            out = ("error", (err.message, err.hint, err.rank, err.host))
-    kind, value = broadcast_object(ctx, out)
-    if kind == "error":
-        message, hint, rank, host = value
-        err = UserError(message, hint, rank=rank)
-        err.host = host
-        raise err
-    return value
-
-
 def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
     """Before any work: the folder is writable, no other job uses it, and every rank sees it."""
-    def rank0():
+    lock = None
+
+    def rank0() -> str:
+        nonlocal lock  # stays on rank 0: only the token travels
         check_writable(rd.path)
         lock = RunLock(rd.path / ".lock", ctx.env.job_id).acquire()
         token = new_token()
         write_token(rd.path, token) if ctx.world_size > 1 else None
-        return lock, token
+        return token
 
-    lock, token = rank0_verdict(ctx, rank0)
+    token = rank0_verdict(ctx, rank0)
     if ctx.world_size > 1:
         seen = all_gather_object(ctx, (sees_token(rd.path, token), socket.gethostname()))
         if ctx.is_main:
@@ -121,7 +105,7 @@ def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
             raise UserError(f"run_dir {str(rd.path)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "
                             f"file rank 0 wrote there; checkpoints need every rank to write into the same folder",
                             "put run_dir on storage every node mounts (an absolute path); per-node run folders are not supported")
-    return lock if ctx.is_main else None
+    return lock
 
 
 def fresh_or_continue(job: Job, rd: RunDir, writer: RunWriter, say) -> None:
