@@ -1,24 +1,35 @@
-"""The library API for users' own scripts: four lines turn a single-device loop into a DDP one.
+"""The library API for users' own scripts: four lines turn a single-device loop into a DDP one,
+and four more give it checkpoints, preemption, the hang watchdog and sync checks.
 
     import ddp_kit
-    run = ddp_kit.init()                                  # process group, device, teardown at exit
+    run = ddp_kit.init(run_dir="runs/mnist")             # process group, device, run folder, teardown
     device = run.device                                   # instead of torch.device("cuda" if ...)
     model, train_loader = run.prepare(model, train_loader)
+    start = run.resume(optimizer=optimizer)               # + model and loader: restored if a checkpoint exists
+    for epoch in run.epochs(10):                          # continues with the epoch the checkpoint was in
+        ...
+        optimizer.step()
+        run.step(loss)                                    # the step boundary (see guard.py)
 
 `loss.backward()` and `optimizer.step()` stay as they are. The loader's batch_size is read as
 the GLOBAL batch (split over ranks) so that the recipe is the same on 1 and N ranks; pass
 `split_batches=False` to keep it per rank, as Accelerate does by default.
 
-A loader is sharded the way it samples, or refused in one line (`Run.train_loader`); a
-`UserError` that reaches the top of the script prints as one line and exits 2, as in the CLI.
+A loader is sharded the way it samples, or refused in one line (`Run.train_loader`). Any error
+that ends the script is handled as in `python -m ddp_kit.train` (failure.py): a UserError is one
+line and exit 2; another exception is printed once, by the rank that raised it, and the other
+ranks stop within seconds, naming it.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
+import threading
 import time
 from contextlib import ExitStack
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from torch import nn
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler, Subset,
@@ -28,16 +39,22 @@ from .data import TrainLoader, check_sized, eval_loader
 from .dist import DistContext, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
+from .guard import Guard, Policy
+from .preempt import PreemptFlag
+from .rundir import RunDir
 from .sync import main_only
+from .watchdog import Progress
 from .wrap import sync_gradients, unwrap, wrap_model
 
 
 class Run:
     """A live distributed context plus the helpers a training script needs. Create it with `init()`."""
 
-    def __init__(self, ctx: DistContext, stack: ExitStack, split_batches: bool, seed: int):
+    def __init__(self, ctx: DistContext, stack: ExitStack, guard: Guard, split_batches: bool, seed: int):
         self.ctx = ctx
         self._stack = stack
+        self._guard = guard
+        self._closed = False
         self.split_batches = split_batches
         self.seed = seed
 
@@ -46,9 +63,17 @@ class Run:
     world_size = property(lambda self: self.ctx.world_size)
     is_main = property(lambda self: self.ctx.is_main)
 
+    run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
+
     def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False) -> Any:
-        """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through."""
+        """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
+
+        Everything returned that has state_dict/load_state_dict (the model, the loader with its data
+        position, an optimizer or scheduler passed along) is registered for checkpoints."""
         out = [self._prepare_one(o, sync_bn, compile) for o in objs]
+        for o in out:
+            if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
+                self._guard.track(o)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool) -> Any:
@@ -92,9 +117,10 @@ class Run:
         if loader.drop_last:
             raise UserError("run.eval_loader evaluates every sample exactly once, so it cannot honour drop_last=True",
                             "pass drop_last=False to the evaluation DataLoader")
-        return eval_loader(dataset, batch_size=loader.batch_size, world_size=self.world_size, rank=self.rank,
-                           num_workers=loader.num_workers, pin_memory=self.device.type == "cuda",
-                           collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
+        shard = eval_loader(dataset, batch_size=loader.batch_size, world_size=self.world_size, rank=self.rank,
+                            num_workers=loader.num_workers, pin_memory=self.device.type == "cuda",
+                            collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
+        return _Announced(shard, lambda: self._guard.heartbeat("eval"))
 
     def _sampling(self, loader: DataLoader) -> tuple[Dataset, bool, int]:
         """(dataset to shard, shuffle, seed) that reproduce `loader`'s sampling; refuses what cannot be sharded."""
@@ -137,6 +163,58 @@ class Run:
                         f"SequentialSampler, RandomSampler and SubsetRandomSampler)",
                         f"use shuffle=True/False, or {yourself}")
 
+    # ---- the reliability layer: checkpoints, preemption, watchdog, sync checks (guard.py) -------------
+
+    def resume(self, *, check: Callable[[dict], None] | None = None, meta: dict | None = None, **objects: Any) -> int:
+        """Register `objects` (name=obj, each with state_dict/load_state_dict) beside what `prepare`
+        returned, and restore all of them, with this rank's RNG, from the checkpoint `init(resume=...)`
+        names (auto: the newest valid one in run_dir/checkpoints). Returns the number of optimizer
+        steps already done (0 on a fresh start); `run.epoch` says how many epochs.
+
+        `meta` is written into every checkpoint's meta.json; `check(meta)` is called with a found
+        checkpoint's meta before anything is loaded, and may refuse it by raising a UserError."""
+        if meta:
+            self._guard.meta.update(meta)
+        done = self._guard.resume(objects, check)
+        self._guard.agree()
+        return done
+
+    def step(self, loss: Any = None) -> int:
+        """Call once per optimizer step, after `optimizer.step()`; `loss` (a tensor, never read on the
+        spot) feeds metrics.jsonl and the NaN check. Returns the steps done. May save a checkpoint,
+        and on a stop signal saves, requeues under SLURM and exits 75 (130 for Ctrl-C) on every rank."""
+        return self._guard.step(loss)
+
+    def save(self) -> None:
+        """Checkpoint now (every rank must call it); resumable by `run.resume`."""
+        self._guard.save()
+
+    @property
+    def steps_done(self) -> int:
+        return self._guard.done
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed by the (first) loader from `prepare`; after a resume, the checkpoint's."""
+        return self._guard.epoch
+
+    def epochs(self, start_or_stop: int, stop: int | None = None) -> range:
+        """`range(start, stop)` without the epochs a resumed run already completed:
+        `for epoch in run.epochs(1, args.epochs + 1)` in place of `range(1, args.epochs + 1)`."""
+        start, stop = (0, start_or_stop) if stop is None else (start_or_stop, stop)
+        return range(start + self.epoch, stop)
+
+    def heartbeat(self, phase: str = "eval") -> None:
+        """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",
+        "checkpoint" and "finish" get the startup timeout instead of hang_timeout_s."""
+        self._guard.heartbeat(phase)
+
+    def on_log(self, fn: Callable[[dict], None]) -> None:
+        """Call `fn(record)` on every rank at each log event, before rank 0 writes it to metrics.jsonl."""
+        self._guard.on_log.append(fn)
+
+    # ---- small helpers ----------------------------------------------------------------------------
+
     def sum(self, *values: float) -> list[float]:
         """Sum numbers over ranks (e.g. correct and count from eval_loader shards)."""
         return all_reduce_sum(self.ctx, list(values))
@@ -160,58 +238,128 @@ class Run:
         barrier(self.ctx)
 
     def close(self) -> None:
-        self._stack.close()
+        """A clean end: a final checkpoint of what is registered (if this step is not saved yet), then
+        teardown. Runs by itself at interpreter exit; after a failure only the teardown runs."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._guard.failed:
+                self._guard.finish()
+        finally:
+            self._stack.close()
 
     def __enter__(self) -> "Run":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, err, tb) -> None:
+        if err is None or isinstance(err, SystemExit):
+            self.close()
+            return
+        code = self._guard.fail(err)  # the failure policy, while the store and process group still exist
         self.close()
+        raise SystemExit(code) from None
 
 
-def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0, split_batches: bool = True,
-         seed: int = 0, env: DistEnv | None = None) -> Run:
+class _Announced:
+    """A DataLoader whose every batch is a heartbeat (long evals are progress too); else the same."""
+
+    def __init__(self, loader: DataLoader, beat: Callable[[], None]):
+        self._loader, self._beat = loader, beat
+
+    def __iter__(self):
+        for batch in self._loader:
+            self._beat()
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
+    known = {f.name for f in dataclasses.fields(Policy)} - {"run_dir"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UserError(f"ddp_kit.init() got unknown option(s) {', '.join(unknown)}",
+                        f"known: {', '.join(sorted(known))}")
+    return Policy(run_dir=None if run_dir is None else str(run_dir), **options)
+
+
+def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0,
+         split_batches: bool = True, seed: int = 0, env: DistEnv | None = None, **options: Any) -> Run:
     """Join the job this process was launched into (or run alone) and return its Run.
 
-    The process group is destroyed at `run.close()`, at `with` exit, or at interpreter exit.
-    Until then a UserError that ends the script (a loader `run.prepare` refuses, a bad layout)
-    prints as one line, once for the job, and exits 2, as `python -m ddp_kit.train` does.
+    `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
+    checkpoints. `options` are guard.Policy's fields: resume, ckpt_every, ckpt_every_s, keep_last,
+    async_ckpt, hang_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
+    sync_fix, log_every, rank_metrics, straggler_margin. `timeout_s` bounds the rendezvous and
+    every collective until step 1 has finished.
+
+    Teardown (and a final checkpoint after a clean end) happens at `run.close()`, at `with` exit,
+    or at interpreter exit. An error that ends the script goes through the failure policy first.
     """
-    joining = _OneLineUserErrors()  # for errors while joining: there is no process group yet
+    joining = _Failures(None)  # for errors while joining: there is no process group yet
+    policy = _policy(run_dir, options)
     env = detect() if env is None else env
     joining.rank = env.rank
+    progress = Progress()
+    box: list[Guard] = []
+    flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].saved_step if box else None)).install()
     stack = ExitStack()
-    ctx = stack.enter_context(distributed(env, backend=backend, device=device, timeout_s=timeout_s))
+    stack.callback(flag.restore)
+    hang_dir = str(RunDir(Path(policy.run_dir)).hang) if policy.run_dir else None
+    try:
+        ctx = stack.enter_context(distributed(env, backend=backend, device=device, timeout_s=timeout_s,
+                                              dump_dir=hang_dir))
+    except BaseException:
+        stack.close()
+        raise
+    guard = Guard(ctx, policy, progress, flag)
+    box.append(guard)
+    stack.callback(guard.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that
     # wrapper our line would be lost when we exit. So the first hook steps aside (it stays wrapped
     # but only passes errors on) and a second one goes on the outside, until the Run closes.
     joining.active = False
-    stack.callback(_OneLineUserErrors(ctx.rank).uninstall)
-    run = Run(ctx, stack, split_batches, seed)
-    atexit.register(stack.close)
+    stack.callback(_Failures(guard).uninstall)
+    run = Run(ctx, stack, guard, split_batches, seed)
+    # The final checkpoint writes with threads: it must run before interpreter shutdown stops
+    # thread pools from taking work, i.e. among threading's exit hooks (they run when the main
+    # thread ends, in reverse order: ours, registered last, before concurrent.futures' own).
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(run.close)
+    atexit.register(run.close)  # a no-op once closed
+    guard.start()
     return run
 
 
-class _OneLineUserErrors:
-    """sys.excepthook while a Run is open: an uncaught UserError is one line and exit 2; the rest as before."""
+class _Failures:
+    """sys.excepthook while a Run is open: the failure policy (failure.py) decides what this rank
+    prints and its exit code. While joining (no guard yet) only a UserError is handled: one line."""
 
-    def __init__(self, rank: int = 0):
-        self.rank = rank
+    def __init__(self, guard: Guard | None, rank: int = 0):
+        self.guard = guard
+        self.rank = guard.ctx.rank if guard is not None else rank
         self.active = True
         self.previous = sys.excepthook
         sys.excepthook = self
 
     def __call__(self, kind, err, tb) -> None:
-        if not (self.active and isinstance(err, UserError)):
+        if not self.active:
+            return self.previous(kind, err, tb)
+        if self.guard is not None:
+            # SystemExit from an excepthook sets the exit code; atexit (teardown, no final save) still runs.
+            sys.exit(self.guard.fail(err))
+        if not isinstance(err, UserError):
             return self.previous(kind, err, tb)
         report_user_error(err, self.rank)
         if self.rank != 0 and not err.local:
             time.sleep(1.0)  # rank 0 prints it; torchrun stops all ranks once one exits, so give rank 0 a moment
-        # SystemExit from an excepthook sets the exit code; atexit (process group teardown) still runs.
         sys.exit(EXIT_USER_ERROR)
 
     def uninstall(self) -> None:
         if sys.excepthook is self:
             sys.excepthook = self.previous
-
-

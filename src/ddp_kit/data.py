@@ -194,6 +194,9 @@ class TrainLoader:
         self.sampler = ShardedSampler(dataset, world_size, rank, shuffle, seed)
         self.epoch = 0
         self.position = 0
+        # Called around each batch fetch when set (by ddp_kit.init's step boundary): progress and timing.
+        self.on_fetch: Callable[[], None] | None = None
+        self.on_batch: Callable[[], None] | None = None
         # Persistent workers keep their RNG across epochs, which is harmless here: every batch
         # reseeds it. The generator keeps DataLoader from drawing the workers' base seed from
         # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
@@ -221,16 +224,27 @@ class TrainLoader:
         if left == 0:
             self.epoch, self.position = self.epoch + 1, 0
             return
-        for i, batch in enumerate(self._loader):
+        batches = iter(self._loader)
+        for i in range(left):
+            if self.on_fetch is not None:
+                self.on_fetch()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            if self.on_batch is not None:
+                self.on_batch()
             self.position += self.micro_batch * self.world_size
             if i == left - 1:
                 # Roll over before handing out the epoch's last batch, so that a caller who stops
                 # right after it (max_steps, a checkpoint) already sees the next epoch's start.
                 # Only whole global batches are used: a tail that cannot fill one is skipped.
                 self.epoch, self.position = self.epoch + 1, 0
-                yield batch
-                return
             yield batch
+
+    def sample_batch(self):
+        """The first micro-batch of the dataset, collated as the loader does (a model's input example)."""
+        return self._loader.collate_fn([self.dataset[i] for i in range(self.micro_batch)])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "global_batch": self.global_batch,

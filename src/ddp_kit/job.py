@@ -131,8 +131,7 @@ def resume(job: Job, say) -> None:
     job.faults = Injector((), ctx.rank, armed=False)  # a resumed run is the recovery, not the fault
     note = job.train_loader.load_state_dict(shared["data"])
     if ctx.world_size > 1:  # only DDP has buckets to settle
-        sample = torch.utils.data.default_collate([job.train_loader.dataset[i] for i in range(job.train_loader.micro_batch)])
-        settle_ddp_buckets(job.model, sample, ctx.device, torch.nn.functional.cross_entropy)
+        settle_ddp_buckets(job.model, job.train_loader.sample_batch(), ctx.device)
     if own is not None and meta.get("world_size") == ctx.world_size:
         set_rng_state(own["rng"])
     else:

@@ -127,11 +127,18 @@ PRIORITY = (0, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 def agreed_signal(ctx: DistContext, flag: PreemptFlag) -> int:
     """The signal any rank received (0 if none), identical on every rank."""
+    return agree_stop(ctx, flag)[0]
+
+
+def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple[int, bool]:
+    """(the signal any rank received or 0, whether any rank said `also`), identical on every rank:
+    one all-reduce carries both, so a timed checkpoint costs no collective of its own."""
     if ctx.world_size == 1:
-        return flag.signum
-    t = torch.tensor([PRIORITY.index(flag.signum)], dtype=torch.int64, device=ctx.control_device)
+        return flag.signum, also
+    t = torch.tensor([PRIORITY.index(flag.signum), int(also)], dtype=torch.int64, device=ctx.control_device)
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return int(PRIORITY[int(t.item())])
+    prio, any_also = t.tolist()
+    return int(PRIORITY[prio]), bool(any_also)
 
 
 def requeue_target(environ: Mapping[str, str]) -> str | None:

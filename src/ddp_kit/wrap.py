@@ -93,25 +93,63 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-def settle_ddp_buckets(model: nn.Module, batch, device: torch.device, loss_fn) -> None:
+def settle_ddp_buckets(model: nn.Module, batch, device: torch.device) -> bool:
     """Run one throw-away forward/backward so that DDP rebuilds its gradient buckets now.
 
     DDP lays gradients out in buckets by parameter order for the first iteration, then rebuilds
     them in the order gradients became ready. With more than 2 ranks the ring all-reduce's sum
     order depends on that layout, so a resumed run must use the rebuilt layout from its first real
-    step, as the uninterrupted run does, to stay bit-identical. Eval mode keeps BatchNorm statistics
-    untouched; the gradients are discarded and no optimizer step is taken.
+    step, as the uninterrupted run does, to stay bit-identical. The ready order depends on the
+    graph, not on the loss, so the sum of the outputs serves. How the model takes a batch is not
+    known here: the calls a training loop would make are tried first without gradients on the
+    plain module (a failed try leaves DDP untouched); when none fits, nothing is done (False).
+    Eval mode keeps BatchNorm statistics untouched; the gradients are discarded.
     """
     ddp = unwrap_ddp(model)
     if ddp is None:
-        return
+        return False
     module = unwrap(model)
     was_training = module.training
     module.eval()
     try:
-        x, y = to_device(batch, device)
-        loss_fn(model(x), y).backward()
+        batch = to_device(batch, device)
+        for call in _calls(batch):
+            try:
+                with torch.no_grad():
+                    if _output_sum(call(module)) is None:
+                        continue
+            except Exception:
+                continue
+            total = _output_sum(call(model))
+            if total.requires_grad:
+                total.backward()
+            return True
+        return False
     finally:
         module.train(was_training)
         for p in module.parameters():
             p.grad = None
+
+
+def _calls(batch):
+    """Ways a loop feeds a batch to a model: inputs first of a tuple, the whole thing, or a dict's keys."""
+    if isinstance(batch, (list, tuple)) and batch:
+        yield lambda m: m(batch[0])
+        yield lambda m: m(*batch)
+    if isinstance(batch, dict):
+        yield lambda m: m(**batch)
+    yield lambda m: m(batch)
+
+
+def _output_sum(out) -> torch.Tensor | None:
+    """The sum of every floating tensor in a model's output (tensor, tuple, dict, dataclass-like)."""
+    if isinstance(out, torch.Tensor):
+        return out.float().sum() if out.is_floating_point() else None
+    if isinstance(out, dict):
+        parts = list(out.values())
+    elif isinstance(out, (list, tuple)):
+        parts = list(out)
+    else:
+        parts = list(vars(out).values()) if hasattr(out, "__dict__") else []
+    sums = [s for s in (_output_sum(p) for p in parts) if s is not None]
+    return torch.stack(sums).sum() if sums else None

@@ -1,0 +1,432 @@
+"""The reliability layer behind `ddp_kit.init()`: run folder, checkpoints, preemption, hang watch,
+sync checks and metrics, driven from any training loop by one call per optimizer step.
+
+`Guard.step()` is the step boundary. Everything it does that involves the other ranks happens
+every N steps, on every rank at the same step, so the ranks stay in lockstep without extra
+agreement:
+
+    every step                 heartbeat (two attribute writes), loss folded into a device scalar
+    preempt_check_every        one all-reduce: a stop signal on any rank, and "a timed checkpoint is
+                               due" (rank 0's clock); then checkpoint, requeue on SLURM, exit 75
+    sync_check_every           parameter/buffer checksums compared across ranks
+    ckpt_every / ckpt_every_s  an atomic checkpoint of everything registered
+    log_every                  one metrics.jsonl record (loss, lr, samples/s, per-rank time split)
+
+Library code: it takes plain arguments (a Policy, a DistContext), never the job's config.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import __version__
+from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .ckpt_folder import archive_abandoned
+from .data import TrainLoader
+from .dist import (DistContext, all_gather_object, all_reduce_sum, barrier, rank0_verdict,
+                   set_collective_timeout)
+from .errors import UserError
+from .failure import handle
+from .metrics import StepTimer, StragglerWatch, gather_ranks
+from .numerics import NonFiniteLoss
+from .outputs import RunWriter
+from .preempt import PreemptFlag, agree_stop, exit_code, requeue
+from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
+from .state import TrainState
+from .sync import check_agreement, check_consistency, shapes_digest
+from .watchdog import Progress, Watchdog, disable_crash_dump, enable_crash_dump
+from .wrap import settle_ddp_buckets, unwrap
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the step boundary does, and how often. Every field is a keyword of `ddp_kit.init()`."""
+
+    run_dir: str | None = None  # checkpoints, metrics.jsonl, hang reports; None: no checkpoints
+    resume: str = "auto"  # auto: the newest valid checkpoint in run_dir; never; or a step_<N> folder
+    ckpt_every: int = 0  # optimizer steps between checkpoints (0: by time only)
+    ckpt_every_s: float = 1800.0  # seconds between checkpoints (0: by steps only); checked every preempt_check_every
+    keep_last: int = 3  # checkpoints kept (0: all)
+    async_ckpt: bool = False  # write checkpoints in a background thread
+    hang_timeout_s: float = 180.0  # no progress on a rank for this long: report the lagging rank, exit 3 (0: off)
+    collective_timeout_s: float = 300.0  # every collective's timeout after step 1
+    preempt_check_every: int = 10  # steps between the ranks' agreement on a stop signal
+    sync_check_every: int = 100  # steps between cross-rank checksum comparisons (0: off)
+    sync_fix: str = "error"  # on divergence: error, or broadcast rank 0's weights
+    log_every: int = 50  # steps between metrics.jsonl records (0: off)
+    rank_metrics: bool = True  # each record holds every rank's time split; stragglers are named
+    straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
+    ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down
+
+
+def _say(ctx: DistContext) -> Callable[[str], None]:
+    def say(msg: str) -> None:
+        if ctx.is_main:
+            print(msg, flush=True)
+    return say
+
+
+class Guard:
+    """One per process; made by `ddp_kit.init()`. `close()` is guaranteed by the Run's ExitStack."""
+
+    def __init__(self, ctx: DistContext, policy: Policy, progress: Progress, flag: PreemptFlag):
+        self.ctx, self.policy, self.progress, self.flag = ctx, policy, progress, flag
+        self.rd = RunDir(Path(policy.run_dir)) if policy.run_dir else None
+        # Without a run folder a hang still leaves its stacks somewhere findable.
+        self.hang_dir = str(self.rd.hang) if self.rd else os.path.join(tempfile.gettempdir(), f"ddp_kit-hang-{os.getuid()}")
+        self.state = TrainState()
+        self.loaders: list[TrainLoader] = []
+        self.models: list[nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.meta: dict[str, Any] = {}
+        self.on_log: list[Callable[[dict], None]] = []
+        self.say = _say(ctx)
+        self.done = 0  # optimizer steps completed (resumed ones included)
+        self.saved_step = -1
+        self.resumed_from: int | None = None
+        self.resumed_path: Path | None = None
+        self.stopped = False  # a stop signal was acted on: no final checkpoint at close
+        self.failed = False  # this process ends on an error: no final checkpoint at close
+        self.timer = StepTimer()
+        self.stragglers = StragglerWatch(policy.straggler_margin)
+        self.nonfinite = NonFiniteLoss()
+        self._window_loss: torch.Tensor | None = None
+        self._window_n = 0
+        self._last_log = (time.perf_counter(), 0)
+        self._last_save_t = time.monotonic()
+        self._agreed = False
+        self._ckpt: Checkpointer | None = None
+        self._lock: RunLock | None = None
+        self._writer: RunWriter | None = None
+        self._crash_file = None
+        self.watchdog = Watchdog(ctx.store_client() if policy.hang_timeout_s > 0 and ctx.world_size > 1 else None,
+                                 ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> "Guard":
+        """Before any work: the run folder is checked and locked, the watchdog runs."""
+        if self.rd is not None:
+            self._lock = prepare_run_dir(self.ctx, self.rd)
+            self._writer = RunWriter(self.rd.path, self.ctx.is_main)
+            self._crash_file = enable_crash_dump(self.hang_dir, self.ctx.rank)
+            self.progress.mirror(f"{self.hang_dir}/rank{self.ctx.rank}.progress")
+        self.watchdog.start()
+        return self
+
+    def close(self) -> None:
+        try:
+            if self._ckpt is not None:
+                self._ckpt.wait()  # never leave with an async save half-written
+        except Exception:
+            if not self.failed:  # after a failure, the failure is what gets reported
+                raise
+        finally:
+            self.watchdog.stop()
+            if self._writer is not None:
+                self._writer.close()
+            self.progress.unmirror()
+            if self._crash_file is not None:
+                disable_crash_dump(self._crash_file)
+            if self._lock is not None:
+                self._lock.release()
+
+    def fail(self, err: BaseException, notes=None) -> int:
+        """This process ends on `err`: say what the failure policy says, return the exit code."""
+        self.failed = True
+        if self.ctx.failfast is not None:
+            self.ctx.failfast.quiet()
+        self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
+        return handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
+                      hang_declared=self.watchdog.aborting.is_set(), notes=notes)
+
+    # ---- registration ---------------------------------------------------------------------------------
+
+    def track(self, obj: Any, name: str | None = None) -> None:
+        """Register `obj` for checkpointing (models, ddp_kit loaders, optimizers are also watched)."""
+        if self.state.holds(obj):
+            return
+        if isinstance(obj, nn.Module):
+            self.models.append(obj)
+            obj.register_forward_hook(lambda *_: self.timer.mark("forward"))
+            base = "model"
+        elif isinstance(obj, TrainLoader):
+            self.loaders.append(obj)
+            obj.on_fetch, obj.on_batch = self._fetching, self._fetched
+            base = "data"
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.optimizers.append(obj)
+            base = "optimizer"
+        else:
+            base = type(obj).__name__.lower()
+        self.state.add(name or self.state.next_name(base), obj)
+
+    def _fetching(self) -> None:
+        self.progress.enter("data", self.done + 1)
+        self.timer.mark("other")
+
+    def _fetched(self) -> None:
+        self.timer.mark("data")
+        self.progress.enter("forward/backward")
+
+    @property
+    def epoch(self) -> int:
+        """Epochs the first registered loader has completed (0 when none is registered)."""
+        return self.loaders[0].epoch if self.loaders else 0
+
+    # ---- resume ---------------------------------------------------------------------------------------
+
+    def checkpointer(self) -> Checkpointer:
+        if self.rd is None:
+            raise UserError("checkpoints need a run folder, and this run has none",
+                            "pass run_dir to ddp_kit.init(run_dir=\"runs/my_run\")")
+        if self._ckpt is None:
+            p = self.policy
+            self._ckpt = Checkpointer(self.ctx, self.rd.checkpoints, keep_last=p.keep_last, async_save=p.async_ckpt,
+                                      timeout_s=self.ctx.timeout_s, write_delay_s=p.ckpt_write_delay_s)
+        return self._ckpt
+
+    def resume(self, objects: dict[str, Any], check: Callable[[dict], None] | None = None) -> int:
+        """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
+        for name, obj in objects.items():
+            self.track(obj, name)
+        ckpt = self.checkpointer()
+        self.progress.enter("startup")
+        found = ckpt.find(self.policy.resume, warn=lambda msg: self.say(f"ddp_kit: warning: {msg}"))
+        if found is not None:
+            shared, own, meta = ckpt.load(found)
+            if check is not None:
+                check(meta)  # before any state is loaded: the caller may refuse this checkpoint
+            notes = self.state.load_state_dict(shared, str(found.path))
+            self.done = self.saved_step = int(shared["loop"]["step"])
+            self.resumed_from, self.resumed_path = self.done, found.path
+            self.progress.enter("startup", self.done)
+            if self.ctx.world_size > 1 and self.loaders:
+                for model in self.models:  # see wrap.settle_ddp_buckets: bit-identical resume needs it
+                    settle_ddp_buckets(model, self.loaders[0].sample_batch(), self.ctx.device)
+            if own is not None and meta.get("world_size") == self.ctx.world_size:
+                set_rng_state(own["rng"])
+            else:
+                torch.manual_seed(1_000_003 * self.done + self.ctx.rank)
+            extra = []
+            if meta.get("world_size") != self.ctx.world_size:
+                extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {self.ctx.world_size}: "
+                             f"data order continues, per-rank RNG streams are reseeded")
+            self.say(f"ddp_kit: resumed from {found.path} (step {self.done}, epoch {self.epoch})"
+                     + ("; " + "; ".join(extra) if extra else ""))
+            for note in notes:
+                self.say(f"ddp_kit: warning: {note}")
+        self._archive_abandoned()
+        return self.done
+
+    def _archive_abandoned(self) -> None:
+        """One lineage per run folder: a fresh start (resume='never') or a resume from an older
+        checkpoint moves what it abandons (higher steps, their metrics) to run_dir/archive/<time>/."""
+        if not self.ctx.is_main or self.rd is None:
+            return
+        rd, writer = self.rd, self._writer
+        if self.resumed_from is None and self.policy.resume != "never":
+            if not (rd.checkpoints / "latest").exists():
+                writer.supersede(None, rd.archive)  # a first run: earlier metrics without checkpoints are not ours
+            return
+        ours = self.resumed_path is not None and self.resumed_path.resolve().parent == rd.checkpoints.resolve()
+        # A checkpoint from another folder starts a new lineage here: whatever this folder held is abandoned.
+        moved = archive_abandoned(rd.checkpoints, self.resumed_from if ours else None, rd.archive)
+        writer.supersede(self.resumed_from if ours else None, rd.archive)
+        if moved:
+            self.say(f"ddp_kit: moved checkpoint(s) {', '.join(f'step_{s}' for s in moved)} of an abandoned run "
+                     f"to {rd.archive}/")
+
+    def agree(self, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
+        """Before step 1: every rank holds the same versions, data, model shapes and resumed step
+        (plus the caller's `facts`); else every rank stops with one line naming the rank."""
+        if self._agreed:
+            return
+        self._agreed = True
+        mine = {"world_size": self.ctx.world_size, "ddp_kit": __version__, "torch": torch.__version__,
+                "resumed_step": self.done, **(facts or {})}
+        for i, loader in enumerate(self.loaders):
+            mine[f"loader{i}_dataset_len"] = len(loader.dataset)
+            mine[f"loader{i}_steps_per_epoch"] = loader.steps_per_epoch
+        for i, model in enumerate(self.models):
+            mine[f"model{i}_param_shapes"] = shapes_digest(unwrap(model))
+        with self.collective("startup"):
+            check_agreement(self.ctx, mine, details)
+
+    # ---- the step boundary ----------------------------------------------------------------------------
+
+    def step(self, loss: torch.Tensor | float | None = None) -> int:
+        self.done += 1
+        done, p, pol = self.done, self.progress, self.policy
+        self.progress.enter("after step", done)
+        self.timer.mark("backward")  # since the forward: backward (with DDP's wait) and the optimizer
+        self.timer.steps += 1
+        if loss is not None:
+            value = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            self._window_loss = value if self._window_loss is None else self._window_loss + value
+            self._window_n += 1
+            self.nonfinite.update(value, done)
+        if not p.warm:
+            self._first_step_over()
+        save = bool(self.state and pol.ckpt_every and done % pol.ckpt_every == 0)
+        if pol.preempt_check_every and done % pol.preempt_check_every == 0:
+            save = self._stop_if_signalled() or save
+        if pol.sync_check_every and done % pol.sync_check_every == 0:
+            with self.collective("sync check"):
+                self.nonfinite.check(self.ctx, self._ckpt)  # NaN weights would read as divergence
+                for model in self.models:
+                    warning = check_consistency(self.ctx, model, done, pol.sync_fix)
+                    if warning:
+                        self.say(f"ddp_kit: warning: {warning}")
+        if save:
+            self.save()
+            self._stop_if_signalled()  # a signal that came during the save is acted on now
+        if pol.log_every and done % pol.log_every == 0:
+            self.log()
+        self.progress.enter("after step")
+        return done
+
+    def _first_step_over(self) -> None:
+        self.agree()
+        # Startup is over (data ready, kernels compiled): from here a collective that takes longer
+        # than collective_timeout_s is a fault, not a slow start.
+        with self.collective("after step"):
+            barrier(self.ctx)
+        set_collective_timeout(self.ctx, self.policy.collective_timeout_s)
+        self.progress.warm = True
+        self.flag.started()  # from here a stop signal is agreed on and checkpointed
+
+    def _stop_if_signalled(self) -> bool:
+        """The ranks agree on any stop signal so far (acted on: this never returns) and on whether a
+        timed checkpoint is due (returned)."""
+        due = (self.ctx.is_main and bool(self.state) and self.policy.ckpt_every_s > 0 and self.rd is not None
+               and time.monotonic() - self._last_save_t >= self.policy.ckpt_every_s)
+        with self.collective("preemption check"):
+            signum, due = agree_stop(self.ctx, self.flag, due)
+        if signum:
+            self.stop(signum)
+        return due
+
+    def stop(self, signum: int) -> None:
+        """Checkpoint, requeue under SLURM (USR2), and exit 75 (130 for Ctrl-C), all ranks together."""
+        saved = bool(self.state) and self.rd is not None
+        if saved:
+            self.save()
+            self.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
+            self._ckpt.wait()
+        wants_requeue = signum == signal.SIGUSR2 and self.ctx.env.batch_job_id is not None
+        code = exit_code(signum)
+        if self.ctx.is_main:
+            # Printed before the requeue: SLURM ends this job the moment it requeues it.
+            what = "interrupted" if signum == signal.SIGINT else "preempted"
+            kept = "checkpoint saved" if saved else "no checkpoint (nothing registered with run.resume)"
+            print(f"ddp_kit: {what} by {signal.Signals(signum).name} after step {self.done}: {kept}; "
+                  f"{'requeueing the job' if wants_requeue else 'rerun the same command to resume'}; "
+                  f"exiting with {code}", file=sys.stderr, flush=True)
+            if wants_requeue:
+                print(f"ddp_kit: {requeue()}", file=sys.stderr, flush=True)
+        # No rank exits before the requeue is done: under `srun --kill-on-bad-exit` the first rank
+        # to exit non-zero gets every other task (and rank 0's scontrol) killed.
+        barrier(self.ctx)
+        self.stopped = True
+        raise SystemExit(code)
+
+    def save(self) -> None:
+        """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
+        ckpt = self.checkpointer()
+        if not self.state or self.saved_step == self.done:
+            return
+        self.nonfinite.check(self.ctx, ckpt)  # never save a run whose loss went NaN/inf
+        shared = {**self.state.state_dict(), "loop": {"step": self.done}}
+        meta = {"ddp_kit": __version__, "torch": torch.__version__, **self.meta}
+        if self.loaders:
+            meta.update(epoch=self.loaders[0].epoch, position=self.loaders[0].position)
+        phase = self.progress.phase
+        self.progress.enter("checkpoint")
+        ckpt.save(self.done, shared, {"rng": rng_state()}, meta)
+        self.progress.enter(phase)
+        self.saved_step = self.done
+        self._last_save_t = time.monotonic()
+
+    def log(self) -> dict[str, Any]:
+        """One metrics record: loss (mean over ranks and steps since the last record), lr, samples/s
+        and, with rank_metrics, every rank's time split; named stragglers are warned about."""
+        ctx, done = self.ctx, self.done
+        with self.collective("log all-reduce"):
+            self.nonfinite.check(ctx, self._ckpt)
+            now = time.perf_counter()
+            record: dict[str, Any] = {"event": "train", "step": done, "epoch": self.epoch}
+            if self._window_loss is not None:
+                (loss,) = all_reduce_sum(ctx, [float(self._window_loss) / max(self._window_n, 1)])
+                record["loss"] = loss / ctx.world_size
+            if self.optimizers:
+                record["lr"] = self.optimizers[0].param_groups[0]["lr"]
+            t0, s0 = self._last_log
+            if self.loaders:
+                record["samples_per_s"] = (done - s0) * self.loaders[0].global_batch / max(now - t0, 1e-9)
+            if self.policy.rank_metrics:
+                per_step = (self.loaders[0].global_batch // ctx.world_size) if self.loaders else 0
+                record["ranks"] = gather_ranks(ctx, self.timer.window(), per_step)
+                for line in self.stragglers.update(record["ranks"]):
+                    self.say(f"ddp_kit: warning: {line}")
+        for fn in self.on_log:
+            fn(record)
+        if self._writer is not None:
+            self._writer.log(record)
+        self._window_loss, self._window_n, self._last_log = None, 0, (now, done)
+        return record
+
+    def finish(self) -> None:
+        """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
+        if self.state and self.rd is not None and not (self.stopped or self.failed):
+            self.save()
+
+    def heartbeat(self, phase: str) -> None:
+        self.progress.enter(phase)
+
+    @contextmanager
+    def collective(self, phase: str):
+        """A block that waits for the other ranks: announced to the watchdog, and timed as "comm" so
+        that this rank's own-work figure (and so the straggler check) leaves the wait out."""
+        self.progress.enter(phase)
+        self.timer.mark("other")
+        yield
+        self.timer.mark("comm")
+
+
+def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
+    """Before any work: the folder is writable, no other job uses it, and every rank sees it."""
+    lock = None
+
+    def rank0() -> str:
+        nonlocal lock  # stays on rank 0: only the token travels
+        check_writable(rd.path)
+        lock = RunLock(rd.path / ".lock", ctx.env.job_id).acquire()
+        token = new_token()
+        write_token(rd.path, token) if ctx.world_size > 1 else None
+        return token
+
+    token = rank0_verdict(ctx, rank0)
+    if ctx.world_size > 1:
+        seen = all_gather_object(ctx, (sees_token(rd.path, token), socket.gethostname()))
+        if ctx.is_main:
+            remove_token(rd.path, token)
+        blind = [(r, host) for r, (ok, host) in enumerate(seen) if not ok]
+        if blind:
+            r, host = blind[0]
+            more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+            raise UserError(f"run_dir {str(rd.path)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "
+                            f"file rank 0 wrote there; checkpoints need every rank to write into the same folder",
+                            "put run_dir on storage every node mounts (an absolute path); per-node run folders are not supported")
+    return lock
