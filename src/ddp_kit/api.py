@@ -177,7 +177,7 @@ class Run:
             self._guard.meta.update(meta)
         done = self._guard.resume(objects, check)
         self._guard.agree()
-        return done
+        return Resumed(done, self.epoch)
 
     def step(self, loss: Any = None) -> int:
         """Call once per optimizer step, after `optimizer.step()`; `loss` (a tensor, never read on the
@@ -191,11 +191,13 @@ class Run:
 
     @property
     def steps_done(self) -> int:
+        self._guard.flush()
         return self._guard.done
 
     @property
     def epoch(self) -> int:
         """Epochs completed by the (first) loader from `prepare`; after a resume, the checkpoint's."""
+        self._guard.flush()
         return self._guard.epoch
 
     def epochs(self, start_or_stop: int, stop: int | None = None) -> range:
@@ -259,6 +261,15 @@ class Run:
         code = self._guard.fail(err)  # the failure policy, while the store and process group still exist
         self.close()
         raise SystemExit(code) from None
+
+
+class Resumed(int):
+    """The optimizer steps already done (an int), with `.epoch`, the epochs already done."""
+
+    def __new__(cls, steps: int, epoch: int) -> "Resumed":
+        out = super().__new__(cls, steps)
+        out.epoch = epoch
+        return out
 
 
 class _Announced:

@@ -197,6 +197,7 @@ class TrainLoader:
         # Called around each batch fetch when set (by ddp_kit.init's step boundary): progress and timing.
         self.on_fetch: Callable[[], None] | None = None
         self.on_batch: Callable[[], None] | None = None
+        self.on_end: Callable[[], None] | None = None
         # Persistent workers keep their RNG across epochs, which is harmless here: every batch
         # reseeds it. The generator keeps DataLoader from drawing the workers' base seed from
         # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
@@ -215,12 +216,16 @@ class TrainLoader:
         return self._loader.dataset
 
     def __len__(self) -> int:
-        """Micro-batches left in the current epoch (whole optimizer steps only)."""
+        """Micro-batches per epoch on this rank (whole optimizer steps only), as a DataLoader's len()."""
+        return self.steps_per_epoch * self.grad_accum
+
+    def left(self) -> int:
+        """Micro-batches left in the current epoch (fewer than len() after a mid-epoch resume)."""
         return (self.steps_per_epoch * self.global_batch - self.position) // (self.micro_batch * self.world_size)
 
     def __iter__(self) -> Iterator:
         self.sampler.set_position(self.epoch, self.position)
-        left = len(self)
+        left = self.left()
         if left == 0:
             self.epoch, self.position = self.epoch + 1, 0
             return
@@ -241,6 +246,8 @@ class TrainLoader:
                 # Only whole global batches are used: a tail that cannot fill one is skipped.
                 self.epoch, self.position = self.epoch + 1, 0
             yield batch
+        if self.on_end is not None:
+            self.on_end()
 
     def sample_batch(self):
         """The first micro-batch of the dataset, collated as the loader does (a model's input example)."""

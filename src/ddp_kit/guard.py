@@ -1,9 +1,15 @@
 """The reliability layer behind `ddp_kit.init()`: run folder, checkpoints, preemption, hang watch,
 sync checks and metrics, driven from any training loop by one call per optimizer step.
 
-`Guard.step()` is the step boundary. Everything it does that involves the other ranks happens
-every N steps, on every rank at the same step, so the ranks stay in lockstep without extra
-agreement:
+`Guard.step()` is the step boundary. A loop calls it as `run.step(loss)` after `optimizer.step()`,
+or not at all: then every registered optimizer's `step()` is counted (a post-hook) and the
+boundary runs when the loop next asks the loader from `run.prepare` for a batch (or at
+`run.save()`, `run.close()`). By then the loop's own per-step work (a per-step LR scheduler,
+zero_grad, a per-epoch scheduler after the last batch) is done, so what a checkpoint holds is
+one consistent point of the run. Iterations with several optimizer steps (two optimizers) count once.
+
+Everything the boundary does that involves the other ranks happens every N steps, on every rank
+at the same step, so the ranks stay in lockstep without extra agreement:
 
     every step                 heartbeat (two attribute writes), loss folded into a device scalar
     preempt_check_every        one all-reduce: a stop signal on any rank, and "a timed checkpoint is
@@ -96,6 +102,8 @@ class Guard:
         self.saved_step = -1
         self.resumed_from: int | None = None
         self.resumed_path: Path | None = None
+        self.pending = False  # an optimizer stepped since the last boundary (implicit mode)
+        self.explicit = False  # the loop calls run.step() itself: optimizer hooks count nothing
         self.stopped = False  # a stop signal was acted on: no final checkpoint at close
         self.failed = False  # this process ends on an error: no final checkpoint at close
         self.timer = StepTimer()
@@ -163,18 +171,32 @@ class Guard:
             base = "model"
         elif isinstance(obj, TrainLoader):
             self.loaders.append(obj)
-            obj.on_fetch, obj.on_batch = self._fetching, self._fetched
+            obj.on_fetch, obj.on_batch, obj.on_end = self._fetching, self._fetched, self._epoch_end
             base = "data"
         elif isinstance(obj, torch.optim.Optimizer):
             self.optimizers.append(obj)
+            obj.register_step_post_hook(self._stepped)
             base = "optimizer"
         else:
             base = type(obj).__name__.lower()
         self.state.add(name or self.state.next_name(base), obj)
 
+    def _stepped(self, *_) -> None:
+        self.pending = not self.explicit
+
+    def flush(self) -> None:
+        """Run the boundary of an optimizer step the loop has not reached the next batch after."""
+        if self.pending:
+            self.step(None, implicit=True)
+
     def _fetching(self) -> None:
+        self.flush()
         self.progress.enter("data", self.done + 1)
         self.timer.mark("other")
+
+    def _epoch_end(self) -> None:
+        # The loop's own work between epochs (eval, a per-epoch scheduler) is a slow phase, not a hang.
+        self.progress.enter("between epochs")
 
     def _fetched(self) -> None:
         self.timer.mark("data")
@@ -266,7 +288,9 @@ class Guard:
 
     # ---- the step boundary ----------------------------------------------------------------------------
 
-    def step(self, loss: torch.Tensor | float | None = None) -> int:
+    def step(self, loss: torch.Tensor | float | None = None, implicit: bool = False) -> int:
+        self.pending = False
+        self.explicit = self.explicit or not implicit
         self.done += 1
         done, p, pol = self.done, self.progress, self.policy
         self.progress.enter("after step", done)
@@ -344,6 +368,7 @@ class Guard:
 
     def save(self) -> None:
         """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
+        self.flush()
         ckpt = self.checkpointer()
         if not self.state or self.saved_step == self.done:
             return
@@ -389,6 +414,9 @@ class Guard:
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
+        if self.stopped or self.failed:
+            return
+        self.flush()
         if self.state and self.rd is not None and not (self.stopped or self.failed):
             self.save()
 

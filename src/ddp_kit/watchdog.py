@@ -31,9 +31,9 @@ _ABORT = "ddp_kit/abort"
 
 # Phases in the order a step goes through them: progress compares (step, phase index).
 PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "preemption check", "log all-reduce",
-          "sync check", "checkpoint", "eval", "finish")
+          "sync check", "checkpoint", "eval", "between epochs", "finish")
 # Phases that may legitimately take long; they get the init timeout instead of hang_timeout.
-SLOW_PHASES = frozenset({"startup", "checkpoint", "eval", "finish"})
+SLOW_PHASES = frozenset({"startup", "checkpoint", "eval", "between epochs", "finish"})
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 
@@ -89,13 +89,20 @@ def read_mirror(path: str | Path) -> tuple[int, str] | None:
     return step, PHASES[idx] if idx < len(PHASES) else "?"
 
 
-def _where(thread_id: int) -> str:
-    """The innermost frame of a thread, as file:line in function."""
+_LIBRARY_DIRS = (str(Path(__file__).resolve().parent), str(Path(traceback.__file__).resolve().parent))
+
+
+def _where(thread_id: int) -> tuple[str, bool]:
+    """The innermost frame of a thread, as file:line in function, and whether it is library code
+    (torch, ddp_kit, the standard library): a rank blocked in a collective waits there, while a
+    rank stuck in its own code (a stalled rank) is somewhere else."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
-        return "?"
+        return "?", True
     fs = traceback.extract_stack(frame)[-1]
-    return f"{Path(fs.filename).name}:{fs.lineno} in {fs.name}"
+    path = str(Path(fs.filename).resolve()) if not fs.filename.startswith("<") else fs.filename
+    waiting = fs.filename.startswith("<") or "site-packages" in path or path.startswith(_LIBRARY_DIRS)
+    return f"{Path(fs.filename).name}:{fs.lineno} in {fs.name}", waiting
 
 
 class Watchdog:
@@ -137,9 +144,10 @@ class Watchdog:
     def _tick(self) -> None:
         p = self.progress
         stalled_for = time.monotonic() - p.since
+        where, waiting = _where(self._main_thread)
         self.store.set(f"ddp_kit/progress/{self.rank}", json.dumps(
             {"step": p.step, "phase": p.phase, "stalled_s": round(stalled_for, 1), "host": self.host,
-             "where": _where(self._main_thread), "t": time.time()}))
+             "where": where, "waiting": waiting, "t": time.time()}))
         if self.store.check([_ABORT]):
             self.aborting.set()
             self._dump()
@@ -186,14 +194,19 @@ class Watchdog:
 
 
 def lagging(positions: dict[int, dict | None]) -> list[int]:
-    """Ranks that are furthest behind: by step, then by phase order. Ranks with no report lag most."""
+    """Ranks that are furthest behind: by step, then by phase order. Ranks with no report lag most.
+    Among ranks at the same place, those in their own code while the others wait in library code
+    (a collective) are the ones the others wait for."""
     missing = [r for r, p in positions.items() if p is None]
     if missing:
         return missing
     key = {r: (p["step"], PHASES.index(p["phase"]) if p["phase"] in PHASES else len(PHASES)) for r, p in positions.items()}
     low = min(key.values())
     behind = [r for r, k in key.items() if k == low]
-    return [] if len(behind) == len(key) else behind
+    if len(behind) == len(key):
+        busy = [r for r in behind if positions[r].get("waiting") is False]
+        return busy if 0 < len(busy) < len(behind) else []
+    return behind
 
 
 def hang_report(positions: dict[int, dict | None], stalled_for: float, dump_dir: Path) -> str:

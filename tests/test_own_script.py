@@ -1,0 +1,127 @@
+"""Issue 12: a user's own script, converted by the README's "Your own script" lines, gets the whole
+toolkit. Both worked examples in examples/ run unchanged under real torchrun processes; faults come
+from outside (tests/helpers/inject.py: a global optimizer-step hook, a real SIGKILL, a real SIGTERM
+sent by PID to the torchrun agent we started)."""
+import difflib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HELPERS, ROOT, ok, proc_env, run_cmd
+from test_reliability import finish, wait_for, workers
+
+INJECT = str(HELPERS / "inject.py")
+# name: (script, its arguments, the run_dir it passes to ddp_kit.init, relative to its cwd)
+EXAMPLES = {"function": ("examples/mnist/ddp.py", ["--epochs", "3"], "runs/digits"),
+            "trainer": ("examples/trainer/ddp.py", ["3", "1", "64"], "runs/trainer")}
+
+
+def code_lines(path: Path) -> list[str]:
+    """The script without its module docstring: what a user edits."""
+    text = path.read_text()
+    if text.startswith('"""'):
+        text = text[text.index('"""', 3) + 3:]
+    return text.splitlines()
+
+
+@pytest.mark.parametrize("folder", ["mnist", "trainer"])
+def test_each_example_changes_at_most_eight_lines(folder):
+    """4 lines give DDP; at most 4 more give checkpoints, resume, preemption, watchdog and sync checks."""
+    a, b = (code_lines(ROOT / "examples" / folder / f) for f in ("single_device.py", "ddp.py"))
+    added = [ln for ln in difflib.unified_diff(a, b, lineterm="", n=0) if ln.startswith("+") and not ln.startswith("+++")]
+    assert len(added) <= 8, "\n".join(added)
+    assert any("ddp_kit.init(" in ln for ln in added) and any(".resume(" in ln for ln in added)
+
+
+def launch(cwd: Path, name: str, faults: str = "slow:ms=0", extra: tuple = ()) -> subprocess.Popen:
+    script, args, _ = EXAMPLES[name]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *extra,
+           INJECT, faults, str(ROOT / script), *args]
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=proc_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def final_weights(cwd: Path, name: str) -> dict:
+    ckpts = cwd / EXAMPLES[name][2] / "checkpoints"
+    return torch.load(ckpts / (ckpts / "latest").read_text().strip() / "model.pt", weights_only=True)
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run of each example at 2 ranks: its final checkpoint's weights."""
+    out = {}
+    for name in EXAMPLES:
+        cwd = tmp_path_factory.mktemp(f"ref_{name}")
+        p = launch(cwd, name)
+        o, e = finish(p, timeout=180)
+        assert p.returncode == 0, e[-3000:]
+        out[name] = final_weights(cwd, name)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_sigkill_with_max_restarts_resumes_bit_identical(tmp_path, name, reference):
+    p = launch(tmp_path, name, "kill:rank=1:step=45", extra=("--max-restarts=1",))
+    out, err = finish(p, timeout=240)
+    assert p.returncode == 0, err[-3000:]
+    assert "resumed from" in out, out[-2000:]
+    assert same(final_weights(tmp_path, name), reference[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, name, reference):
+    latest = tmp_path / EXAMPLES[name][2] / "checkpoints" / "latest"
+    p = launch(tmp_path, name, "slow:ms=40")
+    wait_for(latest.exists, p, what="a first checkpoint")
+    os.kill(p.pid, signal.SIGTERM)  # the torchrun agent we started; it forwards SIGTERM to the workers
+    out, err = finish(p)
+    assert "preempted by SIGTERM" in err and "exiting with 75" in err, err[-3000:]
+    assert p.returncode != 0
+    p = launch(tmp_path, name)  # the same command again
+    out, err = finish(p, timeout=180)
+    assert p.returncode == 0 and "resumed from" in out, err[-3000:]
+    assert same(final_weights(tmp_path, name), reference[name])
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
+    hang = 8
+    p = launch(tmp_path, "function", f"stall:rank=1:step=10,init:hang_timeout_s={hang}")
+    t0 = time.monotonic()
+    out, err = finish(p, timeout=120)
+    took = time.monotonic() - t0
+    assert "Lagging: rank 1." in err, err[-3000:]
+    assert took < 30 + hang + 10, took  # startup (~30 s at most here), then hang_timeout + 10 s
+    assert (tmp_path / "runs/digits/hang/rank1.txt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_a_rank_that_raises_is_printed_once_and_every_rank_stops(tmp_path, name):
+    p = launch(tmp_path, name, "raise:rank=1:step=10")
+    out, err = finish(p, timeout=120)
+    mine = workers(err)
+    assert mine.count("Traceback (most recent call last)") == 1, mine[-3000:]
+    assert "ddp_kit: error: rank 1 failed at step 10" in mine and "injected failure on rank 1" in mine
+    assert "[rank 0] stopping: rank 1" in mine, mine[-3000:]
+    assert p.returncode != 0
+
+
+def test_without_a_launcher_the_example_runs_as_one_process(tmp_path):
+    res = ok(run_cmd([sys.executable, str(ROOT / "examples/trainer/ddp.py"), "2", "1", "64"], cwd=tmp_path))
+    assert "epoch 1:" in res.stdout
+    again = ok(run_cmd([sys.executable, str(ROOT / "examples/trainer/ddp.py"), "2", "1", "64"], cwd=tmp_path))
+    assert "resumed from" in again.stdout and "epoch 1:" not in again.stdout  # finished: nothing left to train
