@@ -36,7 +36,7 @@ from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSam
                               SubsetRandomSampler, WeightedRandomSampler)
 
 from .data import TrainLoader, check_sized, eval_loader
-from .dist import DistContext, all_reduce_sum, barrier, distributed
+from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
 from .guard import Guard, Policy
@@ -65,25 +65,28 @@ class Run:
 
     run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
 
-    def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False) -> Any:
+    def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False, channels_last: bool = False,
+                grad_accum: int = 1) -> Any:
         """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
 
         Everything returned that has state_dict/load_state_dict (the model, the loader with its data
-        position, an optimizer or scheduler passed along) is registered for checkpoints."""
-        out = [self._prepare_one(o, sync_bn, compile) for o in objs]
+        position, an optimizer or scheduler passed along) is registered for checkpoints. With
+        `grad_accum=k` a loader yields k micro-batches per optimizer step (the global batch split
+        over ranks and micro-steps); use `run.accumulate` on the first k-1."""
+        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum) for o in objs]
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._guard.track(o)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool) -> Any:
+    def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int) -> Any:
         if isinstance(obj, nn.Module):
-            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile)
+            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last)
         if isinstance(obj, DataLoader):
-            return self.train_loader(obj)
+            return self.train_loader(obj, grad_accum)
         return obj
 
-    def train_loader(self, loader: DataLoader) -> TrainLoader:
+    def train_loader(self, loader: DataLoader, grad_accum: int = 1) -> TrainLoader:
         """A sharded, epoch-aware copy of `loader` that samples as `loader` did, or a one-line refusal.
 
         SequentialSampler (shuffle=False): the shard in order. RandomSampler (shuffle=True):
@@ -103,7 +106,7 @@ class Run:
                   f"skipped ({which}); pass drop_last=True to the DataLoader to say that is intended",
                   file=sys.stderr, flush=True)
         return TrainLoader(dataset, global_batch=batch, world_size=self.world_size, rank=self.rank,
-                           shuffle=shuffle, seed=seed, num_workers=loader.num_workers,
+                           grad_accum=grad_accum, shuffle=shuffle, seed=seed, num_workers=loader.num_workers,
                            pin_memory=self.device.type == "cuda", collate_fn=loader.collate_fn,
                            worker_init_fn=loader.worker_init_fn)
 
@@ -165,14 +168,15 @@ class Run:
 
     # ---- the reliability layer: checkpoints, preemption, watchdog, sync checks (guard.py) -------------
 
-    def resume(self, *, check: Callable[[dict], None] | None = None, meta: dict | None = None, **objects: Any) -> int:
+    def resume(self, *, check: Callable[[dict], str | None] | None = None, meta: dict | None = None, **objects: Any) -> int:
         """Register `objects` (name=obj, each with state_dict/load_state_dict) beside what `prepare`
         returned, and restore all of them, with this rank's RNG, from the checkpoint `init(resume=...)`
         names (auto: the newest valid one in run_dir/checkpoints). Returns the number of optimizer
         steps already done (0 on a fresh start); `run.epoch` says how many epochs.
 
         `meta` is written into every checkpoint's meta.json; `check(meta)` is called with a found
-        checkpoint's meta before anything is loaded, and may refuse it by raising a UserError."""
+        checkpoint's meta (plus its "path") before anything is loaded: it may refuse it by raising
+        a UserError, or return a note for the "resumed from" line."""
         if meta:
             self._guard.meta.update(meta)
         done = self._guard.resume(objects, check)
@@ -212,14 +216,36 @@ class Run:
         self._guard.heartbeat(phase)
 
     def on_log(self, fn: Callable[[dict], None]) -> None:
-        """Call `fn(record)` on every rank at each log event, before rank 0 writes it to metrics.jsonl."""
+        """Call `fn(record)` on every rank at each log event, before rank 0 writes it to metrics.jsonl
+        (it may add fields, and run collectives: every rank calls it at the same step)."""
         self._guard.on_log.append(fn)
+
+    def log(self) -> dict:
+        """A log event now (every rank must call it): the record of the steps since the last one."""
+        return self._guard.log()
+
+    def log_event(self, record: dict) -> None:
+        """Append `record` to run_dir/metrics.jsonl (rank 0 writes; a no-op elsewhere)."""
+        self._guard.write(record)
+
+    def write_summary(self, summary: dict) -> None:
+        """run_dir/summary.json, written atomically by rank 0."""
+        self._guard.write_summary(summary)
+
+    def explain_cuda_errors(self, fn: Callable[[BaseException], list[str]]) -> None:
+        """On a CUDA/NCCL error the failing rank prints `fn(err)`'s lines beside it (default: the
+        doctor's findings), e.g. what the batch held on out-of-memory."""
+        self._guard.cuda_notes = fn
 
     # ---- small helpers ----------------------------------------------------------------------------
 
     def sum(self, *values: float) -> list[float]:
         """Sum numbers over ranks (e.g. correct and count from eval_loader shards)."""
         return all_reduce_sum(self.ctx, list(values))
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), on every rank, in rank order."""
+        return all_gather_object(self.ctx, obj)
 
     def accumulate(self, model: nn.Module, last: bool):
         """`with run.accumulate(model, last=(i % k == k - 1)):` skips the all-reduce on non-final micro-steps."""
@@ -300,14 +326,17 @@ def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
 
 
 def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0,
-         split_batches: bool = True, seed: int = 0, env: DistEnv | None = None, **options: Any) -> Run:
+         split_batches: bool = True, seed: int = 0, config: dict | None = None, env: DistEnv | None = None,
+         **options: Any) -> Run:
     """Join the job this process was launched into (or run alone) and return its Run.
 
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
     checkpoints. `options` are guard.Policy's fields: resume, ckpt_every, ckpt_every_s, keep_last,
     async_ckpt, hang_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
     sync_fix, log_every, rank_metrics, straggler_margin. `timeout_s` bounds the rendezvous and
-    every collective until step 1 has finished.
+    every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
+    goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the
+    same one at startup (a rank with a different one is named).
 
     Teardown (and a final checkpoint after a clean end) happens at `run.close()`, at `with` exit,
     or at interpreter exit. An error that ends the script goes through the failure policy first.
@@ -329,6 +358,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
         stack.close()
         raise
     guard = Guard(ctx, policy, progress, flag)
+    guard.config = config
     box.append(guard)
     stack.callback(guard.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that
@@ -343,7 +373,12 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     register = getattr(threading, "_register_atexit", atexit.register)
     register(run.close)
     atexit.register(run.close)  # a no-op once closed
-    guard.start()
+    try:
+        guard.start()
+    except BaseException as err:
+        code = guard.fail(err)  # e.g. the run folder is another job's: one line, once, for every rank
+        run.close()
+        raise SystemExit(code) from None
     return run
 
 

@@ -20,13 +20,18 @@ from .errors import UserError
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help, "choices": choices})
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = _f("mlp", "Built-in model: mlp (the MNIST example's 784-256-10 MLP, input size from the data), resnet18 (CIFAR stem), tiny, cnn (conv + BatchNorm, small).")
-    dataset: str = _f("digits", "Built-in dataset: digits (scikit-learn's 8x8 digits, bundled), mnist, cifar10 (from data_root), synthetic.")
+    model: str = _f("mlp", "Built-in model: mlp (the MNIST example's 784-256-10 MLP, input size from the data), resnet18 (CIFAR stem), tiny, cnn (conv + BatchNorm, small); or pkg.module:function, called as function(**model_args), returning an nn.Module.")
+    model_args: dict = _f({}, "Keyword arguments of the model function (a mapping in YAML, or JSON on the command line).")
+    dataset: str = _f("digits", "Built-in dataset: digits (scikit-learn's 8x8 digits, bundled), mnist, cifar10 (from data_root), synthetic; or pkg.module:function, called as function(**dataset_args), returning (train_dataset, test_dataset).")
+    dataset_args: dict = _f({}, "Keyword arguments of the dataset function (a mapping in YAML, or JSON on the command line).")
+    loss: str = _f("cross_entropy", "Built-in loss: cross_entropy on (inputs, targets) batches (reports accuracy); or pkg.module:function, called as function(model, batch), returning a scalar loss or (loss, {name: value}) whose values are averaged over ranks in training and eval.")
     data_root: str = _f("./data", "Folder holding MNIST/CIFAR-10 files (torchvision layout).")
     download: bool = _f(False, "Download MNIST/CIFAR-10 into data_root when missing. Off by default: jobs never touch the network unasked.")
     epochs: int = _f(20, "Passes over the training set.")
@@ -165,6 +170,12 @@ def _convert(tp: type, value: Any) -> Any:
         if isinstance(value, bool):
             raise TypeError(value)
         return float(value)  # PyYAML reads 3e-4 as the string '3e-4'
+    if tp is dict:
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip() else {}
+        if not isinstance(value, dict):
+            raise TypeError(value)
+        return dict(value)
     if tp is str:
         if isinstance(value, (dict, list, tuple, bool)):  # a bool here is YAML's unquoted yes/no/on/off
             raise TypeError(value)
@@ -173,7 +184,7 @@ def _convert(tp: type, value: Any) -> Any:
 
 
 def _example(tp: type) -> str:
-    return {int: "3", float: "0.001", bool: "true", str: "name"}.get(tp, "value")
+    return {int: "3", float: "0.001", bool: "true", str: "name", dict: "'{\"hidden\": 128}'"}.get(tp, "value")
 
 
 def _check_keys(keys, source: str) -> None:
@@ -285,5 +296,6 @@ def _validate(cfg: TrainConfig) -> None:
 def help_text() -> str:
     lines = ["Config keys (defaults < YAML file < --flags):"]
     for name, f in FIELDS.items():
-        lines.append(f"  {name:<18} = {f.default!r:<14} {f.metadata['help']}")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {name:<18} = {default!r:<14} {f.metadata['help']}")
     return "\n".join(lines)

@@ -78,15 +78,18 @@ def _torchvision(name: str, root: str, download: bool) -> DataSpec:
                         f"put {what} there, or add --download true to fetch them", local=True) from None
 
 
-DATASETS = ("digits", "mnist", "cifar10", "synthetic")
+# One registry: name -> builder(data_root, download, seed, synthetic_size, **dataset_args).
+REGISTRY = {
+    "digits": lambda root, download, seed, size: _digits(seed),
+    "mnist": lambda root, download, seed, size: _torchvision("mnist", root, download),
+    "cifar10": lambda root, download, seed, size: _torchvision("cifar10", root, download),
+    "synthetic": lambda root, download, seed, size: _synthetic(seed, size),
+}
+DATASETS = tuple(REGISTRY)
 
 
 def build_dataset(name: str, data_root: str = "./data", download: bool = False, seed: int = 0,
                   synthetic_size: int = 4096) -> DataSpec:
-    if name == "digits":
-        return _digits(seed)
-    if name == "synthetic":
-        return _synthetic(seed, synthetic_size)
-    if name in _TV_FILES:
-        return _torchvision(name, data_root, download)
-    raise UserError(f"unknown dataset {name!r}", f"choose one of {', '.join(DATASETS)}")
+    if name not in REGISTRY:
+        raise UserError(f"unknown dataset {name!r}", f"choose one of {', '.join(DATASETS)}, or pkg.module:function")
+    return REGISTRY[name](data_root, download, seed, synthetic_size)

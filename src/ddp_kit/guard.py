@@ -22,6 +22,8 @@ Library code: it takes plain arguments (a Policy, a DistContext), never the job'
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import socket
@@ -96,6 +98,8 @@ class Guard:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.meta: dict[str, Any] = {}
+        self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
+        self.cuda_notes: Callable[[BaseException], list[str]] | None = None
         self.on_log: list[Callable[[dict], None]] = []
         self.say = _say(ctx)
         self.done = 0  # optimizer steps completed (resumed ones included)
@@ -128,6 +132,8 @@ class Guard:
         if self.rd is not None:
             self._lock = prepare_run_dir(self.ctx, self.rd)
             self._writer = RunWriter(self.rd.path, self.ctx.is_main)
+            if self.config is not None:
+                self._writer.write_config(self.config)
             self._crash_file = enable_crash_dump(self.hang_dir, self.ctx.rank)
             self.progress.mirror(f"{self.hang_dir}/rank{self.ctx.rank}.progress")
         self.watchdog.start()
@@ -150,14 +156,14 @@ class Guard:
             if self._lock is not None:
                 self._lock.release()
 
-    def fail(self, err: BaseException, notes=None) -> int:
+    def fail(self, err: BaseException) -> int:
         """This process ends on `err`: say what the failure policy says, return the exit code."""
         self.failed = True
         if self.ctx.failfast is not None:
             self.ctx.failfast.quiet()
         self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
         return handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
-                      hang_declared=self.watchdog.aborting.is_set(), notes=notes)
+                      hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
 
     # ---- registration ---------------------------------------------------------------------------------
 
@@ -219,7 +225,7 @@ class Guard:
                                       timeout_s=self.ctx.timeout_s, write_delay_s=p.ckpt_write_delay_s)
         return self._ckpt
 
-    def resume(self, objects: dict[str, Any], check: Callable[[dict], None] | None = None) -> int:
+    def resume(self, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
         """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
         for name, obj in objects.items():
             self.track(obj, name)
@@ -228,8 +234,8 @@ class Guard:
         found = ckpt.find(self.policy.resume, warn=lambda msg: self.say(f"ddp_kit: warning: {msg}"))
         if found is not None:
             shared, own, meta = ckpt.load(found)
-            if check is not None:
-                check(meta)  # before any state is loaded: the caller may refuse this checkpoint
+            # Before any state is loaded: the caller may refuse this checkpoint, or say what changed.
+            said = check({**meta, "path": str(found.path)}) if check is not None else None
             notes = self.state.load_state_dict(shared, str(found.path))
             self.done = self.saved_step = int(shared["loop"]["step"])
             self.resumed_from, self.resumed_path = self.done, found.path
@@ -241,7 +247,7 @@ class Guard:
                 set_rng_state(own["rng"])
             else:
                 torch.manual_seed(1_000_003 * self.done + self.ctx.rank)
-            extra = []
+            extra = [said] if said else []
             if meta.get("world_size") != self.ctx.world_size:
                 extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {self.ctx.world_size}: "
                              f"data order continues, per-rank RNG streams are reseeded")
@@ -278,6 +284,9 @@ class Guard:
         self._agreed = True
         mine = {"world_size": self.ctx.world_size, "ddp_kit": __version__, "torch": torch.__version__,
                 "resumed_step": self.done, **(facts or {})}
+        if self.config is not None:
+            mine["config"] = config_hash(self.config)
+            details = {**(details or {}), "config": self.config}
         for i, loader in enumerate(self.loaders):
             mine[f"loader{i}_dataset_len"] = len(loader.dataset)
             mine[f"loader{i}_steps_per_epoch"] = loader.steps_per_epoch
@@ -375,6 +384,8 @@ class Guard:
         self.nonfinite.check(self.ctx, ckpt)  # never save a run whose loss went NaN/inf
         shared = {**self.state.state_dict(), "loop": {"step": self.done}}
         meta = {"ddp_kit": __version__, "torch": torch.__version__, **self.meta}
+        if self.config is not None:
+            meta.update(config=self.config, config_hash=config_hash(self.config))
         if self.loaders:
             meta.update(epoch=self.loaders[0].epoch, position=self.loaders[0].position)
         phase = self.progress.phase
@@ -407,10 +418,17 @@ class Guard:
                     self.say(f"ddp_kit: warning: {line}")
         for fn in self.on_log:
             fn(record)
-        if self._writer is not None:
-            self._writer.log(record)
+        self.write(record)
         self._window_loss, self._window_n, self._last_log = None, 0, (now, done)
         return record
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._writer is not None:
+            self._writer.log(record)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if self._writer is not None:
+            self._writer.write_summary(summary)
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
@@ -431,6 +449,10 @@ class Guard:
         self.timer.mark("other")
         yield
         self.timer.mark("comm")
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:

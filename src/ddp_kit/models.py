@@ -8,9 +8,6 @@ from torch import nn
 
 from .errors import UserError
 
-MODELS = ("mlp", "resnet18", "tiny", "cnn")
-
-
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 256) -> nn.Module:
     """Flatten -> Linear(in, 256) -> ReLU -> Linear(256, classes): 784-256-10 on MNIST."""
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
@@ -37,11 +34,15 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return model
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
+# One registry: name -> builder(input_shape, num_classes, **model_args).
+REGISTRY = {"mlp": mlp, "resnet18": resnet18, "tiny": tiny, "cnn": cnn}
+MODELS = tuple(REGISTRY)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0, **model_args) -> nn.Module:
     """Build `name` with weights drawn from `seed`, identical on every rank."""
-    builders = {"mlp": mlp, "resnet18": resnet18, "tiny": tiny, "cnn": cnn}
-    if name not in builders:
-        raise UserError(f"unknown model {name!r}", f"choose one of {', '.join(MODELS)}")
+    if name not in REGISTRY:
+        raise UserError(f"unknown model {name!r}", f"choose one of {', '.join(MODELS)}, or pkg.module:function")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return builders[name](input_shape, num_classes)
+        return REGISTRY[name](input_shape, num_classes, **model_args)
