@@ -195,13 +195,12 @@ class Run:
 
     @property
     def steps_done(self) -> int:
-        self._guard.flush()
-        return self._guard.done
+        """Optimizer steps done, the one whose boundary is still to run (at the next batch) included."""
+        return self._guard.done + int(self._guard.pending)
 
     @property
     def epoch(self) -> int:
         """Epochs completed by the (first) loader from `prepare`; after a resume, the checkpoint's."""
-        self._guard.flush()
         return self._guard.epoch
 
     def epochs(self, start_or_stop: int, stop: int | None = None) -> range:

@@ -181,6 +181,7 @@ class Guard:
             base = "data"
         elif isinstance(obj, torch.optim.Optimizer):
             self.optimizers.append(obj)
+            obj.register_step_pre_hook(lambda *_: self.timer.mark("backward"))  # backward and DDP's wait end here
             obj.register_step_post_hook(self._stepped)
             base = "optimizer"
         else:
@@ -188,6 +189,7 @@ class Guard:
         self.state.add(name or self.state.next_name(base), obj)
 
     def _stepped(self, *_) -> None:
+        self.timer.mark("optimizer")
         self.pending = not self.explicit
 
     def flush(self) -> None:
@@ -303,7 +305,9 @@ class Guard:
         self.done += 1
         done, p, pol = self.done, self.progress, self.policy
         self.progress.enter("after step", done)
-        self.timer.mark("backward")  # since the forward: backward (with DDP's wait) and the optimizer
+        # Since the optimizer step: the loop's own work (local). Without a registered optimizer, all of
+        # it since the forward: backward (with DDP's wait) and the optimizer.
+        self.timer.mark("other" if self.optimizers else "backward")
         self.timer.steps += 1
         if loss is not None:
             value = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))

@@ -118,13 +118,15 @@ def train(job: Job) -> dict[str, Any]:
             micro.append(batch)
             if len(micro) < cfg.grad_accum:
                 continue
+            upcoming = run.steps_done + 1
             loss, metrics = train_step(job, micro)
             micro = []
             for k, v in metrics.items():
                 window[k] = window.get(k, 0.0) + v
             window["_n"] = window.get("_n", 0) + 1
             if job.faults:
-                job.faults.at_step(run.steps_done + 1, run.unwrap(job.model))
+                run.heartbeat("after step")  # where a hang or crash of a fault is reported
+                job.faults.at_step(upcoming, run.unwrap(job.model))
             step = run.step(loss)
             if bar:
                 bar.update(1)

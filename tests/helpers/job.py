@@ -23,13 +23,14 @@ def main(out_dir: str, **flags):
     flags.setdefault("progress", False)
     cfg = resolve(None, flags)
     captured = {}
-    orig_finish = train_mod.finish
+    orig_train = train_mod.train
 
-    def finish(job, result, writer):
-        captured["params"] = {k: v.detach().cpu().clone() for k, v in train_mod.unwrap(job.model).state_dict().items()}
-        return orig_finish(job, result, writer)
+    def train(job):
+        result = orig_train(job)
+        captured["params"] = {k: v.detach().cpu().clone() for k, v in job.run.unwrap(job.model).state_dict().items()}
+        return result
 
-    train_mod.finish = finish
+    train_mod.train = train
     summary = train_mod.run(cfg, env)
     (out / f"rank{env.rank}.json").write_text(json.dumps(summary))
     torch.save(captured["params"], out / f"params_rank{env.rank}.pt")
