@@ -1,0 +1,71 @@
+"""`python -m ddp_kit.train --model m:f --dataset m:g --loss m:h`: a user's own task by import path,
+imported from the working directory on every rank; startup mistakes are one line, exit 2."""
+import shutil
+import sys
+
+import pytest
+
+from conftest import HELPERS, ok, read_json, run_cmd
+from test_reliability import errors, workers
+
+TASK = ["--model", "mytask:model", "--dataset", "mytask:data", "--loss", "mytask:loss"]
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    shutil.copy(HELPERS / "dict_task.py", tmp_path / "mytask.py")
+    return tmp_path
+
+
+def job(cwd, *args, nproc=2):
+    cmd = ["-m", "ddp_kit.train", "--progress", "false", "--epochs", "2", "--log_every", "4", "--run_dir", "run", *args]
+    if nproc == 1:
+        return run_cmd([sys.executable, *cmd], cwd=cwd)
+    return run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd],
+                   cwd=cwd)
+
+
+@pytest.mark.slow
+def test_dict_batches_and_a_custom_loss_train_under_torchrun(cwd):
+    res = ok(job(cwd, *TASK, "--model_args", '{"hidden": 32}', "--dataset_args", '{"n": 256}', "--batch_size", "32"))
+    summary = read_json(cwd / "run" / "summary.json")
+    assert summary["steps"] == 2 * 256 // 32 and summary["world_size"] == 2
+    assert "eval_mae" in summary and "eval_accuracy" not in summary  # accuracy only where it applies
+    assert summary["eval_samples"] == 64
+    assert "accuracy" not in res.stdout and "done:" in res.stdout
+    records = [r for r in map(__import__("json").loads, (cwd / "run" / "metrics.jsonl").read_text().splitlines())
+               if r["event"] == "train"]
+    assert records and all("train_mae" in r for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]  # it learns
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "nosuchmodule:model"], "--model nosuchmodule:model: no module named 'nosuchmodule'"),
+    (["--model", "mytask:nope"], "--model mytask:nope: module mytask has no 'nope'"),
+    (["--model", "mytask:not_a_model"], "--model mytask:not_a_model returned str; expected a torch.nn.Module"),
+    (["--model", "mytask:model", "--model_args", '{"depth": 3}'], "cannot be called with model_args {'depth': 3}"),
+    (["--model", "mytask_model"], "unknown model 'mytask_model'"),
+    (["--dataset", "mytask:loss"], "--dataset mytask:loss cannot be called"),
+    (["--model_args", "{not json"], "config key 'model_args' expects dict"),
+])
+def test_a_bad_task_is_one_line_and_exit_2(cwd, args, says):
+    res = job(cwd, *args, nproc=1)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = errors(res.stderr)
+    assert len(lines) == 1 and says in lines[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_a_bad_path_under_torchrun_is_printed_once(cwd):
+    res = job(cwd, "--model", "mytask:nope")
+    assert res.returncode != 0
+    lines = errors(workers(res.stderr))
+    assert len(lines) == 1 and "module mytask has no 'nope'" in lines[0], res.stderr[-3000:]
+
+
+def test_default_loss_refuses_dict_batches_in_one_line(cwd):
+    res = job(cwd, "--model", "mytask:model", "--dataset", "mytask:data", nproc=1)
+    assert res.returncode == 2
+    lines = errors(res.stderr)
+    assert len(lines) == 1 and "the default loss cross_entropy needs (inputs, targets) batches" in lines[0], res.stderr[-2000:]
