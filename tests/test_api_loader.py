@@ -13,7 +13,7 @@ from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
 from ddp_kit.guard import Guard, Policy
 from ddp_kit.preempt import PreemptFlag
-from ddp_kit.watchdog import Progress
+from ddp_kit.progress import Progress
 
 DS = TensorDataset(torch.arange(40))
 

@@ -106,7 +106,7 @@ def test_slurm_array_tasks_get_distinct_ports():
 
 
 def test_requeue_target_is_the_array_task_not_the_array():
-    from ddp_kit.preempt import requeue_target
+    from ddp_kit.env import requeue_target
 
     assert requeue_target({"SLURM_JOB_ID": "7"}) == "7"
     assert requeue_target({"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "0"}) == "100_0"

@@ -206,13 +206,18 @@ def test_rendezvous_on_a_foreign_port_is_bounded(tmp_path):
 
 
 def test_threads_per_rank_one_rule():
-    from ddp_kit.env import DistEnv
+    from ddp_kit.env import DistEnv, detect
     from ddp_kit.resources import threads_per_rank
 
-    four_local = DistEnv(rank=1, local_rank=1, world_size=8, local_world_size=4, launcher="slurm", master_addr="n1")
-    assert threads_per_rank(four_local, {"SLURM_CPUS_ON_NODE": "16"}, cpus_visible=64)[0] == 4
-    assert threads_per_rank(four_local, {}, cpus_visible=6)[0] == 1
-    assert threads_per_rank(four_local, {"OMP_NUM_THREADS": "3", "SLURM_CPUS_ON_NODE": "16"}, cpus_visible=64)[0] == 3
+    slurm = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+             "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4(x2)",
+             "SLURM_CPUS_ON_NODE": "16"}
+    four_local = detect(slurm)  # the scheduler's CPU count reaches resources.py through DistEnv only
+    assert four_local.local_world_size == 4 and four_local.cpus_on_node == 16
+    assert threads_per_rank(four_local, {}, cpus_visible=64)[0] == 4
+    no_alloc = DistEnv(rank=1, local_rank=1, world_size=8, local_world_size=4, launcher="slurm", master_addr="n1")
+    assert threads_per_rank(no_alloc, {}, cpus_visible=6)[0] == 1
+    assert threads_per_rank(four_local, {"OMP_NUM_THREADS": "3"}, cpus_visible=64)[0] == 3
     alone = DistEnv()
     assert threads_per_rank(alone, {}, cpus_visible=8)[0] == 8
 

@@ -43,7 +43,7 @@ from .guard import Guard, Policy
 from .preempt import PreemptFlag
 from .rundir import RunDir
 from .sync import main_only
-from .watchdog import Progress
+from .progress import Progress
 from .wrap import sync_gradients, unwrap, wrap_model
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .ckpt_folder import list_checkpoints, validate
 from .errors import EXIT_USER_ERROR, UserError
+from .rundir import RunDir
 
 LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
 
@@ -28,7 +29,8 @@ def _run_dir(run_dir: str) -> Path:
 
 def _root(run_dir: str) -> Path:
     p = _run_dir(run_dir)
-    return p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    ckpts = RunDir(p).checkpoints
+    return ckpts if ckpts.is_dir() else p
 
 
 def _out_path(out) -> Path:

@@ -100,9 +100,8 @@ def check_layout(env: DistEnv, device: torch.device, environ=None) -> None:
     if device.type != "cuda" or env.launcher != "slurm":
         return
     visible = torch.cuda.device_count()
-    slurm_gpus = environ.get("SLURM_GPUS_ON_NODE")
-    if slurm_gpus and slurm_gpus.isdigit() and int(slurm_gpus) != visible and env.local_rank == 0:
-        print(f"ddp_kit: warning: [node {env.node_rank}] SLURM allocated {slurm_gpus} GPU(s) but {visible} are visible "
+    if env.gpus_on_node is not None and env.gpus_on_node != visible and env.local_rank == 0:
+        print(f"ddp_kit: warning: [node {env.node_rank}] SLURM allocated {env.gpus_on_node} GPU(s) but {visible} are visible "
               f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')})", file=sys.stderr, flush=True)
     if env.local_world_size != visible and visible != 1:
         raise UserError(f"{env.local_world_size} task(s) on node {env.node_rank} but {visible} GPU(s) visible: the srun "

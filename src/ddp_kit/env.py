@@ -34,6 +34,9 @@ class DistEnv:
     restart_count: int = 0
     hosts: tuple[str, ...] = ()
     batch_job_id: str | None = None  # the scheduler's job (SLURM_JOB_ID) around us, whatever started the ranks
+    requeue_id: str | None = None  # what `scontrol requeue` takes for this job: ARRAYID_TASKID for an array task
+    cpus_on_node: int | None = None  # CPUs the scheduler allocated on this node (None: not said)
+    gpus_on_node: int | None = None  # GPUs the scheduler allocated on this node (None: not said)
 
     @property
     def is_main(self) -> bool:
@@ -125,7 +128,21 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     else:
         env = _single(environ)
     _check(env)
-    return replace(env, batch_job_id=environ.get("SLURM_JOB_ID"))
+    return replace(env, batch_job_id=environ.get("SLURM_JOB_ID"), requeue_id=requeue_target(environ),
+                   cpus_on_node=_count(environ, "SLURM_CPUS_ON_NODE"), gpus_on_node=_count(environ, "SLURM_GPUS_ON_NODE"))
+
+
+def requeue_target(environ: Mapping[str, str]) -> str | None:
+    """`ARRAYID_TASKID` for an array task: one task's SLURM_JOB_ID can equal the array's own id, and
+    `scontrol requeue <array id>` would requeue every task of the array."""
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def _count(environ: Mapping[str, str], key: str) -> int | None:
+    raw = environ.get(key, "")
+    return int(raw) if raw.isdigit() else None
 
 
 def _slurm_step(environ: Mapping[str, str]) -> bool:

@@ -26,7 +26,8 @@ from .doctor import findings_for_error, is_cuda_error
 from .errors import EXIT_USER_ERROR, UserError
 from .failfast import EXIT_PEER_FAILED, LINGER_S, peer_failure, post, same_error, say_stop
 from .preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from .watchdog import EXIT_HANG, diagnose_peer_loss, is_comm_error
+from .peerloss import diagnose_peer_loss, is_comm_error
+from .watchdog import EXIT_HANG
 
 EXIT_FAILED = 1
 __all__ = ["EXIT_FAILED", "EXIT_HANG", "EXIT_INTERRUPTED", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "EXIT_USER_ERROR",

@@ -53,7 +53,9 @@ from .preempt import PreemptFlag, agree_stop, exit_code, requeue
 from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 from .state import TrainState
 from .sync import check_agreement, check_consistency, shapes_digest
-from .watchdog import Progress, Watchdog, disable_crash_dump, enable_crash_dump
+from .peerloss import disable_crash_dump, enable_crash_dump
+from .progress import Progress
+from .watchdog import Watchdog
 from .wrap import settle_ddp_buckets, unwrap
 
 
@@ -131,7 +133,7 @@ class Guard:
         """Before any work: the run folder is checked and locked, the watchdog runs."""
         if self.rd is not None:
             self._lock = prepare_run_dir(self.ctx, self.rd)
-            self._writer = RunWriter(self.rd.path, self.ctx.is_main)
+            self._writer = RunWriter(self.rd, self.ctx.is_main)
             if self.config is not None:
                 self._writer.write_config(self.config)
             self._crash_file = enable_crash_dump(self.hang_dir, self.ctx.rank)
@@ -372,7 +374,7 @@ class Guard:
                   f"{'requeueing the job' if wants_requeue else 'rerun the same command to resume'}; "
                   f"exiting with {code}", file=sys.stderr, flush=True)
             if wants_requeue:
-                print(f"ddp_kit: {requeue()}", file=sys.stderr, flush=True)
+                print(f"ddp_kit: {requeue(self.ctx.env.requeue_id)}", file=sys.stderr, flush=True)
         # No rank exits before the requeue is done: under `srun --kill-on-bad-exit` the first rank
         # to exit non-zero gets every other task (and rank 0's scontrol) killed.
         barrier(self.ctx)

@@ -10,49 +10,51 @@ from typing import Any
 import yaml
 
 from .durable import atomic_write_text
+from .rundir import RunDir
 
 
 class RunWriter:
     """Appends one JSON object per log event; a no-op on every rank but rank 0."""
 
-    def __init__(self, run_dir: str | Path, is_main: bool):
-        self.run_dir = Path(run_dir)
+    def __init__(self, rd: RunDir, is_main: bool):
+        self.rd = rd
+        self.run_dir = rd.path
         self.is_main = is_main
         self._metrics = None
         self._tb = None
         if is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # Line-buffered append: a killed run keeps every line written so far, and a resumed run continues the file.
-            self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            self._metrics = open(rd.metrics, "a", buffering=1)
             self._tb = _tensorboard(self.run_dir / "tb")
 
     def supersede(self, after_step: int | None, archive: Path) -> None:
         """Move records that no longer describe this run out of metrics.jsonl (and summary.json),
         into archive/<time>/: after a resume from step S, those of steps past S, which the resumed
         run computes again; on a fresh start, all of them."""
-        if not self.is_main or not (self.run_dir / "metrics.jsonl").exists():
+        if not self.is_main or not self.rd.metrics.exists():
             return
-        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+        lines = self.rd.metrics.read_text().splitlines(keepends=True)
         keep, gone = [], []
         for ln in lines:
             (keep if after_step is not None and _step_of(ln) <= after_step else gone).append(ln)
-        summary = self.run_dir / "summary.json"
+        summary = self.rd.summary
         if not gone and not summary.exists():
             return
         dest = archive / time.strftime("%Y%m%dT%H%M%S")
         dest.mkdir(parents=True, exist_ok=True)
         if gone:
-            with open(dest / "metrics.jsonl", "a") as f:
+            with open(dest / self.rd.metrics.name, "a") as f:
                 f.writelines(gone)
         if summary.exists():  # it described the run that ended; a new one will be written
-            os.replace(summary, dest / "summary.json")
+            os.replace(summary, dest / summary.name)
         self._metrics.close()
-        atomic_write_text(self.run_dir / "metrics.jsonl", "".join(keep))
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        atomic_write_text(self.rd.metrics, "".join(keep))
+        self._metrics = open(self.rd.metrics, "a", buffering=1)
 
     def write_config(self, config: dict[str, Any]) -> None:
         if self.is_main:
-            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+            atomic_write_text(self.rd.config, yaml.safe_dump(config, sort_keys=False))
 
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics:
@@ -68,7 +70,7 @@ class RunWriter:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.is_main:
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            atomic_write_text(self.rd.summary, json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         if self._metrics:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -141,18 +141,8 @@ def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple
     return int(PRIORITY[prio]), bool(any_also)
 
 
-def requeue_target(environ: Mapping[str, str]) -> str | None:
-    """`ARRAYID_TASKID` for an array task: one task's SLURM_JOB_ID can equal the array's own id, and
-    `scontrol requeue <array id>` would requeue every task of the array."""
-    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-    return environ.get("SLURM_JOB_ID")
-
-
-def requeue(environ: Mapping[str, str] | None = None) -> str:
-    """Requeue this SLURM job; for an array task, only that task."""
-    environ = os.environ if environ is None else environ
-    job = requeue_target(environ)
+def requeue(job: str | None) -> str:
+    """Requeue SLURM job `job` (DistEnv.requeue_id: for an array task, only that task)."""
     if not job:
         return "not a SLURM job: not requeued; run the same command again to resume"
     try:

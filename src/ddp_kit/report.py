@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from .errors import EXIT_USER_ERROR, UserError
+from .rundir import RunDir
 
 
 def load(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         raise UserError(f"no metrics.jsonl in {str(run_dir)!r}", "pass the run_dir of a ddp_kit run")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -88,11 +89,12 @@ def main(run_dir: str) -> None:
         except ImportError:
             raise UserError("matplotlib is not installed, so no report.png (report.csv was written)",
                             "pip install 'ddp_kit[report]'") from None
-        summary = d / "summary.json"
+        summary = RunDir(d).summary
         title = str(d)
         if summary.exists():
             s = json.loads(summary.read_text())
-            title += f"  ({s['world_size']} ranks, {s['steps']} steps, eval accuracy {s['eval_accuracy']:.3f})"
+            acc = f", eval accuracy {s['eval_accuracy']:.3f}" if "eval_accuracy" in s else ""
+            title += f"  ({s['world_size']} ranks, {s['steps']} steps{acc})"
         plot(records, d / "report.png", title)
         print(f"wrote {d / 'report.png'} and {d / 'report.csv'} ({n} rows)")
     except UserError as err:

@@ -45,8 +45,8 @@ def threads_per_rank(env: DistEnv, environ: Mapping[str, str], cpus_visible: int
     user = environ.get("OMP_NUM_THREADS", "")
     if user.isdigit() and int(user) > 0 and not _set_by_launcher_only(environ, env):
         return int(user), "OMP_NUM_THREADS"
-    cpus_raw = environ.get("SLURM_CPUS_ON_NODE", "")
-    cpus, source = (int(cpus_raw), "SLURM_CPUS_ON_NODE") if cpus_raw.isdigit() else (cpus_visible, "CPUs available")
+    cpus, source = ((env.cpus_on_node, "CPUs allocated on this node") if env.cpus_on_node
+                    else (cpus_visible, "CPUs available"))
     local = max(1, env.local_world_size)
     return max(1, cpus // local), f"{cpus} {source} / {local} rank(s) on this node"
 

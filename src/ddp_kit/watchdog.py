@@ -8,86 +8,24 @@ publishes them to the rendezvous store once a second. The store lives outside th
   rank 0 prints one report naming the lagging rank(s) and where each rank waits; all exit 3.
 - Until step 1 has finished (data preparation, torch.compile, cuDNN autotuning) every phase counts
   as startup and gets the init timeout instead.
-- A rank that raises is fail-fast's business (failfast.py), which runs even with the watchdog off.
+- A rank that raises is fail-fast's business (failfast.py), which runs even with the watchdog off;
+  one that vanishes is diagnosed by peerloss.py; what a rank is doing lives in progress.py.
 """
 from __future__ import annotations
 
 import faulthandler
 import json
-import mmap
 import os
-import struct
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from .failfast import peer_failure, stop_line
+from .progress import PHASES, SLOW_PHASES, Progress
 
 EXIT_HANG = 3
 _ABORT = "ddp_kit/abort"
-
-# Phases in the order a step goes through them: progress compares (step, phase index).
-PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "preemption check", "log all-reduce",
-          "sync check", "checkpoint", "eval", "between epochs", "finish")
-# Phases that may legitimately take long; they get the init timeout instead of hang_timeout.
-SLOW_PHASES = frozenset({"startup", "checkpoint", "eval", "between epochs", "finish"})
-_PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
-
-
-_PROGRESS_FMT = "<qB"  # step, phase index: mirrored into a small mmap'd file that outlives a crash
-
-
-@dataclass
-class Progress:
-    """What this rank is doing; written by the training thread, read by the watchdog.
-
-    With `mirror(path)`, every change is also written (a memory store, no syscall) into a tiny
-    memory-mapped file, so a rank that dies by a fatal signal still leaves its last step and phase.
-    """
-
-    step: int = 0
-    phase: str = "startup"
-    since: float = field(default_factory=time.monotonic)
-    warm: bool = False  # step 1 has finished: from here on, only SLOW_PHASES get the long timeout
-    _map: mmap.mmap | None = None
-    _path: str = ""
-
-    def enter(self, phase: str, step: int | None = None) -> None:
-        if step is not None:
-            self.step = step
-        self.phase = phase
-        self.since = time.monotonic()
-        if self._map is not None:
-            struct.pack_into(_PROGRESS_FMT, self._map, 0, self.step, _PHASE_INDEX.get(phase, 255))
-
-    def mirror(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._path = str(path)
-        with open(path, "wb+") as f:
-            f.write(b"\0" * 16)
-            f.flush()
-            self._map = mmap.mmap(f.fileno(), 16)
-        self.enter(self.phase)
-
-    def unmirror(self) -> None:
-        """Stop mirroring and remove the file: only a rank that did not get here leaves one behind."""
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-            Path(self._path).unlink(missing_ok=True)
-
-
-def read_mirror(path: str | Path) -> tuple[int, str] | None:
-    try:
-        step, idx = struct.unpack_from(_PROGRESS_FMT, Path(path).read_bytes())
-    except (OSError, struct.error):
-        return None
-    return step, PHASES[idx] if idx < len(PHASES) else "?"
-
 
 _LIBRARY_DIRS = (str(Path(__file__).resolve().parent), str(Path(traceback.__file__).resolve().parent))
 
@@ -222,93 +160,3 @@ def hang_report(positions: dict[int, dict | None], stalled_for: float, dump_dir:
     lines.append(f"  stacks: {dump_dir}/rank<R>.txt; all ranks exit {EXIT_HANG}. "
                  f"Hint: a rank that skips or adds a collective, or blocks in its own code, stalls the others.")
     return "\n".join(lines)
-
-
-# ---- a peer that vanished without a word (fatal signal, SIGKILL, OOM killer) ----------------------
-
-COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out", "timed out",
-               "remote process exited", "NCCL error", "Broken pipe", "Socket Timeout")
-
-
-def is_comm_error(err: BaseException) -> bool:
-    return isinstance(err, RuntimeError) and any(k in str(err) for k in COMM_ERRORS)
-
-
-def enable_crash_dump(dump_dir: str | Path, rank: int):
-    """Have Python write every thread's stack to hang/rank<R>.crash.txt on a fatal signal (e.g. gloo's
-    abort on a collective mismatch). Returns the open file; `disable_crash_dump` removes it if empty."""
-    path = Path(dump_dir) / f"rank{rank}.crash.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "w")
-    faulthandler.enable(file=f, all_threads=True)
-    return f
-
-
-def disable_crash_dump(f) -> None:
-    faulthandler.disable()
-    f.close()
-    path = Path(f.name)
-    if path.exists() and path.stat().st_size == 0:
-        path.unlink()
-    try:
-        path.parent.rmdir()  # only if nothing else (hang stacks, NCCL traces) is in it
-    except OSError:
-        pass
-
-
-def _crash_site(text: str) -> str | None:
-    """In a faulthandler dump: the main thread's innermost frame outside installed packages
-    (the user's or ddp_kit's own line that issued the fatal call)."""
-    for block in text.split("\n\n"):
-        frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
-        if not frames or "threading.py" in frames[-1]:
-            continue  # a helper thread (watchdog, checkpoint writer), not the training thread
-        for frame in frames:  # innermost first
-            if "site-packages" in frame or "<frozen" in frame:
-                continue
-            try:
-                path, rest = frame[6:].split('", line ', 1)
-                return f"{Path(path).name}:{rest}"
-            except ValueError:
-                return frame
-    return None
-
-
-def diagnose_peer_loss(store, rank: int, world_size: int, dump_dir: str | Path, wait_s: float = 3.0) -> str | None:
-    """After a communication error: find the rank that caused it, from its posted failure, its crash
-    dump, or its silence. Returns the one line to print, or None when no peer looks at fault."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        failed = peer_failure(store, rank)
-        if failed:
-            return stop_line(rank, failed)
-        crashed = [r for r in range(world_size) if r != rank and (Path(dump_dir) / f"rank{r}.crash.txt").exists()
-                   and (Path(dump_dir) / f"rank{r}.crash.txt").stat().st_size > 0]
-        if crashed or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    positions = {}
-    for r in range(world_size):
-        try:
-            key = f"ddp_kit/progress/{r}"
-            positions[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
-        except Exception:
-            positions[r] = None
-    if crashed:
-        r = crashed[0]
-        path = Path(dump_dir) / f"rank{r}.crash.txt"
-        site = _crash_site(path.read_text(errors="replace")) or "?"
-        step, phase = read_mirror(Path(dump_dir) / f"rank{r}.progress") or ((positions.get(r) or {}).get("step", "?"), "?")
-        return (f"ddp_kit: error: rank {r} crashed (fatal signal) at step {step} in {phase}, at {site}; its stacks "
-                f"are in {path} (hint: gloo aborts when ranks run different collectives: check that every rank "
-                f"calls the same collectives in the same order)")
-    now = time.time()
-    silent = [r for r, p in positions.items() if r != rank and p is not None and now - p.get("t", now) > 2.0]
-    if silent:
-        r = silent[0]
-        p = positions[r]
-        step, phase = read_mirror(Path(dump_dir) / f"rank{r}.progress") or (p["step"], p["phase"])
-        return (f"ddp_kit: error: rank {r} stopped without a word (killed? out of host memory?) at step {step} "
-                f"in {phase}, last seen {now - p['t']:.0f}s ago on {p['host']} "
-                f"(hint: check that host's kernel log / scheduler for a kill)")
-    return None
