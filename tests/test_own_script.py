@@ -125,3 +125,62 @@ def test_without_a_launcher_the_example_runs_as_one_process(tmp_path):
     assert "epoch 1:" in res.stdout
     again = ok(run_cmd([sys.executable, str(ROOT / "examples/trainer/ddp.py"), "2", "1", "64"], cwd=tmp_path))
     assert "resumed from" in again.stdout and "epoch 1:" not in again.stdout  # finished: nothing left to train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["explicit", "implicit"])
+def test_a_checkpoint_never_falls_between_an_epochs_last_step_and_its_end_of_epoch_work(tmp_path, mode):
+    """Checkpoints are due at each epoch's last step (ckpt_every = steps per epoch). The per-epoch
+    scheduler step after the loop and the draw at the top of the next epoch must each run exactly
+    once around a resume: the killed-and-resumed run ends bit-identical."""
+    script = str(HELPERS / "epoch_script.py")
+    ok(run_cmd([sys.executable, script, str(tmp_path / "ref"), mode]))
+    killed = run_cmd([sys.executable, INJECT, "kill:step=20", script, str(tmp_path / "run"), mode])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    res = ok(run_cmd([sys.executable, script, str(tmp_path / "run"), mode]))
+    assert "resumed from" in res.stdout and "step 16" in res.stdout, res.stdout
+    ref, got = (torch.load(tmp_path / d / "final.pt", weights_only=True) for d in ("ref", "run"))
+    assert same(ref, got)
+
+
+@pytest.mark.parametrize("code", [
+    "model = run.prepare(raw)\nrun.resume(optimizer=opt)\nrun.prepare(torch.nn.Linear(2, 2))",
+    "model = run.prepare(raw)\nrun.resume(model=raw, optimizer=opt)\nrun.save()",
+    "run.resume(generator=raw, optimizer=opt)\nrun.save()",
+])
+def test_registration_rules(tmp_path, code):
+    """An object registered after run.resume is refused in one line. A model passed both wrapped
+    (by prepare) and raw is one object. A model under another name than "model" (a GAN's
+    generator) is saved into train_state.pt, and no model.pt is written."""
+    script = tmp_path / "s.py"
+    script.write_text("import torch, ddp_kit\n"
+                      f"run = ddp_kit.init(run_dir={str(tmp_path / 'r')!r})\n"
+                      "raw = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(raw.parameters(), lr=0.1)\n" + code + "\n")
+    res = run_cmd([sys.executable, str(script)], cwd=tmp_path)
+    if "prepare(torch" in code:
+        assert res.returncode == 2 and "registered after run.resume()" in res.stderr, res.stderr[-2000:]
+        return
+    assert res.returncode == 0, res.stderr[-2000:]
+    step = tmp_path / "r" / "checkpoints" / "step_0"
+    state = torch.load(step / "train_state.pt", weights_only=True)
+    if "generator" in code:
+        assert "generator" in state and not (step / "model.pt").exists()
+    else:
+        assert sorted(state) == ["data", "loop", "optimizer"] or sorted(state) == ["loop", "optimizer"], sorted(state)
+        assert (step / "model.pt").exists()
+
+
+def test_a_failure_of_the_final_checkpoint_at_exit_sets_the_exit_code(tmp_path):
+    """The final checkpoint runs among Python's exit hooks, where an exception would be printed and
+    ignored (exit 0). A NaN loss found there is one line and exit 2, and nothing is saved."""
+    script = tmp_path / "s.py"
+    script.write_text("import torch, ddp_kit\n"
+                      f"run = ddp_kit.init(run_dir={str(tmp_path / 'r')!r}, log_every=0, sync_check_every=0)\n"
+                      "model = run.prepare(torch.nn.Linear(2, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "run.resume(optimizer=opt)\n"
+                      "for _ in range(3):\n    loss = model(torch.ones(4, 2)).sum() * float('nan')\n"
+                      "    loss.backward()\n    opt.step()\n    run.step(loss)\n")
+    res = run_cmd([sys.executable, str(script)], cwd=tmp_path)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "the loss became non-finite (NaN/inf) at step 1" in res.stderr and "Exception ignored" not in res.stderr
+    assert not list((tmp_path / "r" / "checkpoints").glob("step_*"))

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import sys
 import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import nn
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler, Subset,
@@ -203,11 +204,16 @@ class Run:
         """Epochs completed by the (first) loader from `prepare`; after a resume, the checkpoint's."""
         return self._guard.epoch
 
-    def epochs(self, start_or_stop: int, stop: int | None = None) -> range:
+    def epochs(self, start_or_stop: int, stop: int | None = None) -> Iterator[int]:
         """`range(start, stop)` without the epochs a resumed run already completed:
-        `for epoch in run.epochs(1, args.epochs + 1)` in place of `range(1, args.epochs + 1)`."""
+        `for epoch in run.epochs(1, args.epochs + 1)` in place of `range(1, args.epochs + 1)`.
+
+        Between two epochs (after your end-of-epoch work, before the next epoch's first line) it
+        runs the step boundary still due, so a checkpoint never falls between the two."""
         start, stop = (0, start_or_stop) if stop is None else (start_or_stop, stop)
-        return range(start + self.epoch, stop)
+        for epoch in range(start + self.epoch, stop):
+            yield epoch
+            self._guard.flush()
 
     def heartbeat(self, phase: str = "eval") -> None:
         """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",
@@ -264,17 +270,28 @@ class Run:
     def barrier(self) -> None:
         barrier(self.ctx)
 
-    def close(self) -> None:
+    def close(self, at_exit: bool = False) -> None:
         """A clean end: a final checkpoint of what is registered (if this step is not saved yet), then
-        teardown. Runs by itself at interpreter exit; after a failure only the teardown runs."""
+        teardown. Runs by itself at interpreter exit; after a failure only the teardown runs.
+
+        A failure of the final checkpoint (disk full, NaN weights, a stop signal that arrived
+        during the last epoch) goes through the failure policy like any other and sets the exit
+        code, also at interpreter exit, where Python would otherwise ignore it."""
         if self._closed:
             return
         self._closed = True
         try:
             if not self._guard.failed:
                 self._guard.finish()
-        finally:
+        except BaseException as err:
+            code = err.code if isinstance(err, SystemExit) else self._guard.fail(err)
             self._stack.close()
+            if at_exit:  # an exception here would be printed and ignored, and the exit code lost
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code if isinstance(code, int) else 1)
+            raise SystemExit(code) from None
+        self._stack.close()
 
     def __enter__(self) -> "Run":
         return self
@@ -321,6 +338,9 @@ def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
     if unknown:
         raise UserError(f"ddp_kit.init() got unknown option(s) {', '.join(unknown)}",
                         f"known: {', '.join(sorted(known))}")
+    if run_dir is None and (options.get("ckpt_every") or options.get("async_ckpt")):
+        raise UserError("checkpoint options were given but no run_dir to write checkpoints into",
+                        'pass run_dir to ddp_kit.init(run_dir="runs/my_run", ...)')
     return Policy(run_dir=None if run_dir is None else str(run_dir), **options)
 
 
@@ -370,8 +390,8 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     # thread pools from taking work, i.e. among threading's exit hooks (they run when the main
     # thread ends, in reverse order: ours, registered last, before concurrent.futures' own).
     register = getattr(threading, "_register_atexit", atexit.register)
-    register(run.close)
-    atexit.register(run.close)  # a no-op once closed
+    register(lambda: run.close(at_exit=True))
+    atexit.register(lambda: run.close(at_exit=True))  # a no-op once closed
     try:
         guard.start()
     except BaseException as err:

@@ -102,13 +102,15 @@ class Checkpointer:
         goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
         copied to CPU when async."""
         self.wait()  # a second save waits for the first
-        if "model" in shared:  # every rank holds the same weights: every rank reaches the same verdict
-            bad = nonfinite_tensors(shared["model"])
-            if bad:  # never let NaN weights become `latest` and push the last finite ones out
-                raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite "
-                                f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); last checkpoint: "
-                                f"{latest_name(self.root)}",
-                                "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
+        # Every rank holds the same weights, so every rank reaches the same verdict. Flat state dicts
+        # (a model's, under any name) are checked; nested ones (an optimizer's) are not.
+        bad = [k if name == "model" else f"{name}.{k}" for name, st in shared.items() if isinstance(st, dict)
+               for k in nonfinite_tensors(st)]
+        if bad:  # never let NaN weights become `latest` and push the last finite ones out
+            raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite "
+                            f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); last checkpoint: "
+                            f"{latest_name(self.root)}",
+                            "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
         if self.async_save:
             shared = snapshot(shared, self._buffers) if self.ctx.is_main else {}
             per_rank = snapshot(per_rank)
@@ -177,10 +179,14 @@ class Checkpointer:
         files[f"rank{rank}.pt"] = write_durable(tmp / f"rank{rank}.pt", per_rank, self.write_delay_s)
         if self.ctx.is_main:
             # The two big files are written side by side: serialization, checksums and fsync overlap.
+            # model.pt only when a model is registered as "model" (e.g. not for a GAN's two models).
             with ThreadPoolExecutor(2, thread_name_prefix="ddp_kit-ckpt-write") as pool:
-                model_f = pool.submit(write_durable, tmp / "model.pt", shared["model"], self.write_delay_s)
+                model_f = (pool.submit(write_durable, tmp / "model.pt", shared["model"], self.write_delay_s)
+                           if "model" in shared else None)
                 state_f = pool.submit(write_durable, tmp / "train_state.pt", {k: v for k, v in shared.items() if k != "model"})
-                files["model.pt"], files["train_state.pt"] = model_f.result(), state_f.result()
+                if model_f is not None:
+                    files["model.pt"] = model_f.result()
+                files["train_state.pt"] = state_f.result()
             files["meta.json"] = write_durable(tmp / "meta.json", {**meta, "step": step, "world_size": world})
         if store and world > 1:
             store.set(f"{key}/files/{rank}", json.dumps(files))
@@ -236,7 +242,8 @@ class Checkpointer:
         """(shared state, this rank's per-rank state or None, meta), tensors mapped to this rank's device."""
         dev = self.ctx.device
         shared = torch.load(found.path / "train_state.pt", map_location=dev, weights_only=True)
-        shared["model"] = torch.load(found.path / "model.pt", map_location=dev, weights_only=True)
+        if (found.path / "model.pt").exists():
+            shared["model"] = torch.load(found.path / "model.pt", map_location=dev, weights_only=True)
         own = found.path / f"rank{self.ctx.rank}.pt"
         per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         meta = json.loads((found.path / "meta.json").read_text())

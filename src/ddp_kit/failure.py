@@ -31,15 +31,7 @@ from .watchdog import EXIT_HANG
 
 EXIT_FAILED = 1
 __all__ = ["EXIT_FAILED", "EXIT_HANG", "EXIT_INTERRUPTED", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "EXIT_USER_ERROR",
-           "Reported", "handle", "linger"]
-
-
-class Reported(Exception):
-    """An error already printed with its rank; whoever catches it only sets the exit code."""
-
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
+           "handle", "linger"]
 
 
 def linger(ctx: DistContext) -> None:
@@ -54,8 +46,6 @@ def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir
 
     The caller has already silenced its fail-fast thread and its stop-signal handling: this process
     handles its own failure, and its exit code is decided here."""
-    if isinstance(err, Reported):
-        return err.code
     if isinstance(err, UserError):
         err.at(ctx.rank)
         stands = post(ctx.store, ctx.rank, step, phase, err)
@@ -78,12 +68,17 @@ def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir
             if ctx.is_main or "stopping:" in line:
                 print(line, file=sys.stderr, flush=True)
             return EXIT_PEER_FAILED
-    # Print before telling the others: once they stop, torchrun may kill this process.
-    print(f"ddp_kit: error: rank {ctx.rank} failed at step {step} in {phase}: {type(err).__name__}: {err}\n"
-          + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
-    if is_cuda_error(err):
-        for line in (notes(err) if notes else findings_for_error(err)):
-            print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
-    post(ctx.store, ctx.rank, step, phase, err)
+    # Posted first, so that the same error raised on every rank at once (a bug after the loop) is
+    # printed by one of them. The launcher's SIGTERM to the survivors is ignored by a closing
+    # process (preempt.py), so this one still gets to print after the others have stopped.
+    stands = post(ctx.store, ctx.rank, step, phase, err)
+    if stands is None or stands["rank"] == ctx.rank or not same_error(stands, err):
+        print(f"ddp_kit: error: rank {ctx.rank} failed at step {step} in {phase}: {type(err).__name__}: {err}\n"
+              + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        if is_cuda_error(err):
+            for line in (notes(err) if notes else findings_for_error(err)):
+                print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
+    else:
+        say_stop(ctx.rank, stands)
     linger(ctx)
     return EXIT_FAILED

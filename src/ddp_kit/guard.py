@@ -109,6 +109,8 @@ class Guard:
         self.resumed_from: int | None = None
         self.resumed_path: Path | None = None
         self.pending = False  # an optimizer stepped since the last boundary (implicit mode)
+        self.owed: tuple[bool, bool] = (False, False)  # (checkpoint, stop check) deferred past an epoch's end
+        self.resumed = False  # run.resume has run: objects registered later would never be restored
         self.explicit = False  # the loop calls run.step() itself: optimizer hooks count nothing
         self.stopped = False  # a stop signal was acted on: no final checkpoint at close
         self.failed = False  # this process ends on an error: no final checkpoint at close
@@ -173,6 +175,9 @@ class Guard:
         """Register `obj` for checkpointing (models, ddp_kit loaders, optimizers are also watched)."""
         if self.state.holds(obj):
             return
+        if self.resumed:
+            raise UserError(f"{type(obj).__name__} registered after run.resume(): it would never be restored "
+                            f"from a checkpoint", "call run.prepare(...) and pass every object before run.resume(...)")
         if isinstance(obj, nn.Module):
             self.models.append(obj)
             obj.register_forward_hook(lambda *_: self.timer.mark("forward"))
@@ -195,9 +200,18 @@ class Guard:
         self.pending = not self.explicit
 
     def flush(self) -> None:
-        """Run the boundary of an optimizer step the loop has not reached the next batch after."""
+        """Run the boundary of an optimizer step the loop has not reached the next batch after, and
+        what an epoch's last step owes (see step)."""
         if self.pending:
             self.step(None, implicit=True)
+        save, check = self.owed
+        if save or check:
+            self.owed = (False, False)
+            if check:
+                save = self._stop_if_signalled() or save
+            if save:
+                self.save()
+                self._stop_if_signalled()
 
     def _fetching(self) -> None:
         self.flush()
@@ -233,6 +247,7 @@ class Guard:
         """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
         for name, obj in objects.items():
             self.track(obj, name)
+        self.resumed = True
         ckpt = self.checkpointer()
         self.progress.enter("startup")
         found = ckpt.find(self.policy.resume, warn=lambda msg: self.say(f"ddp_kit: warning: {msg}"))
@@ -319,7 +334,14 @@ class Guard:
         if not p.warm:
             self._first_step_over()
         save = bool(self.state and pol.ckpt_every and done % pol.ckpt_every == 0)
-        if pol.preempt_check_every and done % pol.preempt_check_every == 0:
+        check = bool(pol.preempt_check_every and done % pol.preempt_check_every == 0)
+        if not implicit and self.loaders and self.loaders[0].position == 0:
+            # The last step of an epoch, called from inside the loop: the loop's end-of-epoch work (a
+            # per-epoch scheduler step, an eval) is still to come, and a checkpoint taken now would
+            # skip it on resume. Its checkpoint and stop check run at the next batch or epoch instead.
+            self.owed = (self.owed[0] or save, self.owed[1] or check)
+            save = check = False
+        if check:
             save = self._stop_if_signalled() or save
         if pol.sync_check_every and done % pol.sync_check_every == 0:
             with self.collective("sync check"):
@@ -369,7 +391,8 @@ class Guard:
         if self.ctx.is_main:
             # Printed before the requeue: SLURM ends this job the moment it requeues it.
             what = "interrupted" if signum == signal.SIGINT else "preempted"
-            kept = "checkpoint saved" if saved else "no checkpoint (nothing registered with run.resume)"
+            kept = ("checkpoint saved" if saved else "no checkpoint (no run_dir)" if self.rd is None
+                    else "no checkpoint (nothing registered with run.resume)")
             print(f"ddp_kit: {what} by {signal.Signals(signum).name} after step {self.done}: {kept}; "
                   f"{'requeueing the job' if wants_requeue else 'rerun the same command to resume'}; "
                   f"exiting with {code}", file=sys.stderr, flush=True)

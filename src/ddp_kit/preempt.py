@@ -35,12 +35,6 @@ def exit_code(signum: int) -> int:
     return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
-class Preempted(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class PreemptFlag:
     """Records the first stop signal; installs and restores its handlers (main thread only).
 
@@ -123,11 +117,6 @@ class PreemptFlag:
 # When ranks received different signals, the one that asks for the most wins: a preemption warning
 # (requeue) over a plain stop over Ctrl-C.
 PRIORITY = (0, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
-
-
-def agreed_signal(ctx: DistContext, flag: PreemptFlag) -> int:
-    """The signal any rank received (0 if none), identical on every rank."""
-    return agree_stop(ctx, flag)[0]
 
 
 def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple[int, bool]:

@@ -34,7 +34,7 @@ class TrainState:
                             "pass objects with both methods (a model, optimizer, scheduler, GradScaler, or your own "
                             "class that defines them)")
         held = self.objects.get(name)
-        if held is not None and held is not obj:
+        if held is not None and not self.holds(obj):
             raise UserError(f"two different objects registered for checkpointing under the name {name!r}",
                             "give each its own keyword in run.resume(...)")
         self.objects[name] = obj
@@ -48,7 +48,9 @@ class TrainState:
         return name
 
     def holds(self, obj: Any) -> bool:
-        return any(o is obj for o in self.objects.values())
+        """`obj` is registered; a model counts as registered when its DDP wrapper is (and back)."""
+        target = unwrap(obj) if isinstance(obj, nn.Module) else obj
+        return any((unwrap(o) if isinstance(o, nn.Module) else o) is target for o in self.objects.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {name: (unwrap(o) if isinstance(o, nn.Module) else o).state_dict() for name, o in self.objects.items()}

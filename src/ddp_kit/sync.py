@@ -26,12 +26,6 @@ def param_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def disagreeing_ranks(ctx: DistContext, value) -> dict[int, object]:
-    """Gather `value` from every rank; return {rank: value} for the ranks that differ from rank 0 (empty if all agree)."""
-    values = all_gather_object(ctx, value)
-    return {r: v for r, v in enumerate(values) if v != values[0]}
-
-
 # ---- startup agreement ---------------------------------------------------------------------------
 
 def shapes_digest(model: nn.Module) -> str:
