@@ -87,3 +87,21 @@ def test_shards_with_two_real_processes(tmp_path):
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # reshuffled
     ev = ranks[0]["eval"] + ranks[1]["eval"]
     assert sorted(ev) == list(range(37)) and ranks[0]["eval_count"] == 37  # exact: no padded duplicates
+
+
+def test_a_peek_does_not_consume_a_batch():
+    """`b_sz = len(next(iter(loader))[0])` at the top of an epoch (the DDP tutorial's Trainer): the
+    epoch still yields every batch, also after a mid-epoch resume, so resumed runs stay identical."""
+    plain = _epoch(_loaders(100, 10, 1)[0])
+    ld = _loaders(100, 10, 1)[0]
+    next(iter(ld))
+    assert _epoch(ld) == plain and ld.epoch == 1 and ld.position == 0
+    mid = _loaders(100, 10, 1)[0]
+    it = iter(mid)
+    for _ in range(4):
+        next(it)
+    state = mid.state_dict()  # after 4 batches taken
+    again = _loaders(100, 10, 1)[0]
+    again.load_state_dict(state)
+    next(iter(again))  # the resumed epoch peeks too
+    assert _epoch(again) == plain[4:]

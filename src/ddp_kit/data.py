@@ -198,6 +198,7 @@ class TrainLoader:
         self.on_fetch: Callable[[], None] | None = None
         self.on_batch: Callable[[], None] | None = None
         self.on_end: Callable[[], None] | None = None
+        self._uncounted = False  # the batch last handed out is not in `position` yet (see commit)
         # Persistent workers keep their RNG across epochs, which is harmless here: every batch
         # reseeds it. The generator keeps DataLoader from drawing the workers' base seed from
         # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
@@ -224,6 +225,11 @@ class TrainLoader:
         return (self.steps_per_epoch * self.global_batch - self.position) // (self.micro_batch * self.world_size)
 
     def __iter__(self) -> Iterator:
+        if self.on_fetch is not None:
+            self.on_fetch()  # a step boundary still due runs first (it counts what the step used)
+        # A batch handed out and never stepped on is not consumed: `next(iter(loader))` to peek at
+        # the batch size (as the DDP tutorial's Trainer does) leaves the position where it was.
+        self._uncounted = False
         self.sampler.set_position(self.epoch, self.position)
         left = self.left()
         if left == 0:
@@ -231,35 +237,54 @@ class TrainLoader:
             return
         batches = iter(self._loader)
         for i in range(left):
-            if self.on_fetch is not None:
-                self.on_fetch()
+            if i:
+                self.commit()
+                if self.on_fetch is not None:
+                    self.on_fetch()
             try:
                 batch = next(batches)
             except StopIteration:
                 return
             if self.on_batch is not None:
                 self.on_batch()
-            self.position += self.micro_batch * self.world_size
-            if i == left - 1:
-                # Roll over before handing out the epoch's last batch, so that a caller who stops
-                # right after it (max_steps, a checkpoint) already sees the next epoch's start.
-                # Only whole global batches are used: a tail that cannot fill one is skipped.
-                self.epoch, self.position = self.epoch + 1, 0
+            self._uncounted = True
             yield batch
+        self.commit()
         if self.on_end is not None:
             self.on_end()
+
+    def commit(self) -> None:
+        """Count the batch last handed out as consumed. Called when the next one is asked for, when
+        the epoch ends, and by the step boundary, which checkpoints the position. At the epoch's
+        last batch the loader rolls over to the next epoch: a caller who stops right after it (max_steps,
+        a checkpoint) sees the next epoch's start. Only whole global batches are used: a tail that
+        cannot fill one is skipped."""
+        if not self._uncounted:
+            return
+        self._uncounted = False
+        self.position += self.micro_batch * self.world_size
+        if self.position >= self.steps_per_epoch * self.global_batch:
+            self.epoch, self.position = self.epoch + 1, 0
 
     def sample_batch(self):
         """The first micro-batch of the dataset, collated as the loader does (a model's input example)."""
         return self._loader.collate_fn([self.dataset[i] for i in range(self.micro_batch)])
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "global_batch": self.global_batch,
+        """The position after every batch handed out so far (the last one too: whoever asks for the
+        state took it). The step boundary commits before it saves, so this is that same position."""
+        epoch, position = self.epoch, self.position
+        if self._uncounted:
+            position += self.micro_batch * self.world_size
+            if position >= self.steps_per_epoch * self.global_batch:
+                epoch, position = epoch + 1, 0
+        return {"epoch": epoch, "position": position, "global_batch": self.global_batch,
                 "seed": self.sampler.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> str | None:
         """Restore the position; returns a one-line note when exact continuation is impossible."""
         self.epoch = int(state["epoch"])
+        self._uncounted = False
         position = int(state["position"])
         note = None
         if int(state.get("seed", self.sampler.seed)) != self.sampler.seed:

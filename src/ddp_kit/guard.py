@@ -319,6 +319,8 @@ class Guard:
     def step(self, loss: torch.Tensor | float | None = None, implicit: bool = False) -> int:
         self.pending = False
         self.explicit = self.explicit or not implicit
+        for loader in self.loaders:
+            loader.commit()  # the batches this step used are consumed: the position a checkpoint keeps
         self.done += 1
         done, p, pol = self.done, self.progress, self.policy
         self.progress.enter("after step", done)
