@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
