@@ -69,3 +69,18 @@ def test_default_loss_refuses_dict_batches_in_one_line(cwd):
     assert res.returncode == 2
     lines = errors(res.stderr)
     assert len(lines) == 1 and "the default loss cross_entropy needs (inputs, targets) batches" in lines[0], res.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_user_task_killed_under_max_restarts_resumes_bit_identical(cwd):
+    """A task module by import path gets what the built-in tasks get: SIGKILL of rank 1 under
+    --max-restarts=1 resumes from the last checkpoint and ends with the same weights."""
+    args = ["--progress", "false", "--epochs", "2", "--log_every", "4", *TASK, "--dataset_args", '{"n": 256}',
+            "--batch_size", "32", "--ckpt_every", "4"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ok(run_cmd([*launch, "-m", "ddp_kit.train", *args, "--run_dir", "ref"], cwd=cwd))
+    res = ok(run_cmd([*launch, "--max-restarts=1", "-m", "ddp_kit.train", *args, "--run_dir", "run",
+                      "--inject", "kill:rank=1:step=11"], cwd=cwd))
+    assert "resumed from" in res.stdout and "step 8" in res.stdout, res.stdout[-2000:]
+    ref, got = (read_json(cwd / d / "summary.json") for d in ("ref", "run"))
+    assert got["resumed_from_step"] == 8 and got["param_sha256"] == ref["param_sha256"]
