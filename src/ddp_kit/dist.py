@@ -7,6 +7,7 @@ so two debug runs never collide) and always destroys it, on success and on error
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import socket
 import sys
@@ -274,6 +275,27 @@ def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     tdist.all_gather_object(out, obj)
     return out
+
+
+def gather_object(ctx: DistContext, obj: Any) -> list[Any] | None:
+    """Every rank's `obj` on rank 0 only (None elsewhere): for what is per-rank by nature."""
+    if ctx.world_size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    tdist.gather_object(obj, out, dst=0)
+    return out
+
+
+def all_same(ctx: DistContext, blob: bytes) -> bool:
+    """Whether every rank holds the same `blob`, in one all-reduce of 16 bytes whatever the world
+    size: the min and the max of a 64-bit digest (the control plane stays O(1) per rank)."""
+    if ctx.world_size == 1:
+        return True
+    digest = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
+    t = torch.tensor([digest, -digest], dtype=torch.int64, device=ctx.control_device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    high, neg_low = t.tolist()
+    return high == -neg_low
 
 
 def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:

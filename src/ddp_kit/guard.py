@@ -159,6 +159,15 @@ class Guard:
                 disable_crash_dump(self._crash_file)
             if self._lock is not None:
                 self._lock.release()
+            # Let go of the model, optimizer and loaders before the process group is destroyed: a
+            # DDP reducer still alive then can abort the process at exit (pytorch#190489; the
+            # teardown's gc.collect frees it only if nothing holds it).
+            self.models.clear()
+            self.optimizers.clear()
+            self.loaders.clear()
+            self.state.objects.clear()
+            self.on_log.clear()
+            self.cuda_notes = None
 
     def fail(self, err: BaseException) -> int:
         """This process ends on `err`: say what the failure policy says, return the exit code."""
@@ -444,9 +453,11 @@ class Guard:
                 record["samples_per_s"] = (done - s0) * self.loaders[0].global_batch / max(now - t0, 1e-9)
             if self.policy.rank_metrics:
                 per_step = (self.loaders[0].global_batch // ctx.world_size) if self.loaders else 0
-                record["ranks"] = gather_ranks(ctx, self.timer.window(), per_step)
-                for line in self.stragglers.update(record["ranks"]):
-                    self.say(f"ddp_kit: warning: {line}")
+                ranks = gather_ranks(ctx, self.timer.window(), per_step)
+                if ranks is not None:  # rank 0: per-rank records are per-rank by nature, so they reach it only
+                    record["ranks"] = ranks
+                    for line in self.stragglers.update(ranks):
+                        self.say(f"ddp_kit: warning: {line}")
         for fn in self.on_log:
             fn(record)
         self.write(record)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dist import DistContext, all_gather_object
+from .dist import DistContext, gather_object
 
 PARTS = ("data", "forward", "backward", "optimizer", "comm", "other")
 
@@ -55,12 +55,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def gather_ranks(ctx: DistContext, window: dict[str, float], samples_per_step: int) -> list[dict]:
-    """Every rank's window, on every rank (rank 0 logs it)."""
+def gather_ranks(ctx: DistContext, window: dict[str, float], samples_per_step: int) -> list[dict] | None:
+    """Every rank's window, on rank 0 only (it logs them and looks for stragglers); None elsewhere."""
     mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), **{k: round(v, 6) for k, v in window.items()},
             "samples_per_s": samples_per_step / window["step_s"] if window["step_s"] > 0 else 0.0,
             "peak_mem_mb": round(peak_memory_mb(ctx.device), 1)}
-    return all_gather_object(ctx, mine)
+    return gather_object(ctx, mine)
 
 
 @dataclass

@@ -6,6 +6,7 @@ stops together; rank 0 prints the one message.
 from __future__ import annotations
 
 import hashlib
+import json
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from .dist import DistContext, all_gather_object
+from .dist import DistContext, all_same, broadcast_object, gather_object
 from .errors import UserError
 
 
@@ -40,23 +41,26 @@ def check_agreement(ctx: DistContext, facts: dict[str, Any], details: dict[str, 
     `details` maps a fact name to a dict whose differing entries explain the fact (e.g. the config
     itself behind its hash); only the entries that differ are printed.
     """
-    gathered = all_gather_object(ctx, {"facts": facts, "details": details or {}})
-    ref = gathered[0]
-    problems = []
-    for rank, got in enumerate(gathered[1:], start=1):
-        for key, value in got["facts"].items():
-            if value == ref["facts"].get(key):
-                continue
-            mine, theirs = got["details"].get(key), ref["details"].get(key)
-            if isinstance(mine, dict) and isinstance(theirs, dict):
-                diff = [f"{k}={mine.get(k)!r} (rank 0: {theirs.get(k)!r})" for k in sorted(set(mine) | set(theirs))
-                        if mine.get(k) != theirs.get(k)]
-                problems.append(f"rank {rank} {key}: {', '.join(diff[:4])}")
-            else:
-                problems.append(f"rank {rank} {key}={value!r} (rank 0: {ref['facts'].get(key)!r})")
-    if problems:
-        raise UserError(f"ranks disagree at startup, before step 1: {'; '.join(problems[:6])}",
-                        "start every rank with the same config, code, library versions and data")
+    if all_same(ctx, json.dumps(facts, sort_keys=True, default=str).encode()):
+        return
+    # Only on a mismatch: rank 0's facts go to every rank (a fixed size per rank), each rank finds its
+    # own differences, rank 0 gathers them and every rank raises the same line.
+    ref = broadcast_object(ctx, {"facts": facts, "details": details or {}} if ctx.is_main else None)
+    mine = []
+    for key, value in facts.items():
+        if value == ref["facts"].get(key):
+            continue
+        own, theirs = (details or {}).get(key), ref["details"].get(key)
+        if isinstance(own, dict) and isinstance(theirs, dict):
+            diff = [f"{k}={own.get(k)!r} (rank 0: {theirs.get(k)!r})" for k in sorted(set(own) | set(theirs))
+                    if own.get(k) != theirs.get(k)]
+            mine.append(f"rank {ctx.rank} {key}: {', '.join(diff[:4])}")
+        else:
+            mine.append(f"rank {ctx.rank} {key}={value!r} (rank 0: {ref['facts'].get(key)!r})")
+    gathered = gather_object(ctx, mine or None)
+    problems = broadcast_object(ctx, [p for ps in gathered if ps for p in ps] if ctx.is_main else None)
+    raise UserError(f"ranks disagree at startup, before step 1: {'; '.join(problems[:6])}",
+                    "start every rank with the same config, code, library versions and data")
 
 
 # ---- periodic consistency -----------------------------------------------------------------------
@@ -91,17 +95,17 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
     re-broadcast rank 0's values (fix='broadcast') and return a warning line."""
     if ctx.world_size == 1:
         return None
-    mine = checksums(model).to(ctx.control_device)
-    allsums = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    tdist.all_gather(allsums, mine)
-    names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in _state_tensors(model)]
-    bad: dict[int, list[str]] = {}
-    for rank in range(1, ctx.world_size):
-        rows = (allsums[rank] != allsums[0]).any(dim=1).nonzero().flatten().tolist()
-        if rows:
-            bad[rank] = [names[i] for i in rows]
-    if not bad:
+    table = checksums(model)
+    if all_same(ctx, table.cpu().numpy().tobytes()):
         return None
+    # Only on a mismatch: rank 0's table goes to every rank (a fixed size per rank), each rank finds
+    # its own differing tensors, rank 0 gathers the names and every rank gets the same verdict.
+    ref = table.to(ctx.control_device).clone()
+    tdist.broadcast(ref, src=0)
+    names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in _state_tensors(model)]
+    rows = (table.to(ref.device) != ref).any(dim=1).nonzero().flatten().tolist() if ctx.rank else []
+    gathered = gather_object(ctx, (ctx.rank, [names[i] for i in rows]) if rows else None)
+    bad: dict[int, list[str]] = broadcast_object(ctx, dict(g for g in gathered if g) if ctx.is_main else None)
     where = "; ".join(f"rank {r}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for r, ns in bad.items())
     if fix == "broadcast":
         with torch.no_grad():
