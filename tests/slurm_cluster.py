@@ -187,15 +187,33 @@ class Cluster:
             if info.get("JobState") in states:
                 return info
             time.sleep(0.2)
-        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout}s")
+        raise TimeoutError(f"job {job_id} did not end within {timeout}s:\n{self.describe(job_id)}")
 
-    def stop(self) -> None:
+    def describe(self, job_id: str, tail: int = 3000) -> str:
+        """What a job is doing, for a failure message: its scheduler fields, the whole queue (a job
+        PENDING for Resources waits for whatever holds the nodes) and the tail of its output file."""
+        info = self.job(job_id)
+        fields = " ".join(f"{k}={info.get(k)}" for k in ("JobId", "JobState", "Reason", "ExitCode", "Restarts",
+                                                           "RunTime", "NodeList"))
+        queue = self.run(["squeue", "-h", "-o", "%i %T %R %M"], check=False).stdout.strip()
+        out = Path(info.get("StdOut", "/nonexistent"))
+        text = out.read_text(errors="replace")[-tail:] if out.is_file() else f"(no output file {out})"
+        return f"{fields}\nqueue:\n{queue}\noutput ({out}):\n{text}"
+
+    def cancel_all(self, timeout: float = 20) -> list[str]:
+        """Cancel every job still queued or running and wait until the nodes are idle, so that a test
+        that failed mid-job does not leave the next tests PENDING behind it. Returns what it cancelled."""
         jobs = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
         if jobs:
             self.run(["scancel", *jobs], check=False)
-            end = time.monotonic() + 10
-            while time.monotonic() < end and self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
-                time.sleep(0.1)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and (self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip()
+                                          or not self._all_idle()):
+            time.sleep(0.1)
+        return jobs
+
+    def stop(self) -> None:
+        self.cancel_all(timeout=10)
         for pid in self.pids.values():
             _kill(pid, signal.SIGTERM)
         _wait_gone(list(self.pids.values()), 10)

@@ -27,6 +27,17 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _clean_queue(request):
+    """After each test, no job of it is left holding the nodes: a test that failed (or timed out)
+    mid-job would otherwise leave every later test PENDING behind it, and fail them too."""
+    yield
+    if "cluster" in request.fixturenames:
+        left = request.getfixturevalue("cluster").cancel_all()
+        if left:
+            print(f"cancelled jobs left by {request.node.name}: {left}")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same job as 4 ranks of torchrun on one node: what every SLURM run must reproduce."""
@@ -102,7 +113,7 @@ def release_requeued(cluster, job: str, timeout: float = 120) -> None:
     raise TimeoutError(f"job {job} was not requeued: {cluster.job(job)}")
 
 
-def wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+def wait_step(cluster, job: str, run_dir: Path, step: int, timeout: float = 120) -> None:
     end = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < end:
@@ -111,7 +122,7 @@ def wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
             if steps and max(steps) >= step:
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"{run_dir} never reached step {step}")
+    raise TimeoutError(f"{run_dir} never reached step {step}:\n{cluster.describe(job)}")
 
 
 @pytest.mark.parametrize("template", ["srun.sbatch", "torchrun.sbatch"])
@@ -126,11 +137,12 @@ def test_template_2_nodes_x_2_ranks(cluster, reference, tmp_path, template):
     assert summary["param_sha256"] == reference["param_sha256"], output(run_dir, job)
 
 
+@pytest.mark.timeout(600)  # up to 120 s to step 10, the requeue, then a whole run
 @pytest.mark.parametrize("template", ["srun.sbatch", "torchrun.sbatch"])
 def test_preemption_checkpoint_requeue_resume(cluster, reference, tmp_path, template):
     run_dir = tmp_path / "run"
     job = submit(cluster, template, run_dir, *SLOW)
-    wait_step(run_dir, 10)
+    wait_step(cluster, job, run_dir, 10)
     warn_job(cluster, job, run_dir)
     release_requeued(cluster, job)
     info = cluster.wait_job(job, timeout=300)
@@ -143,11 +155,12 @@ def test_preemption_checkpoint_requeue_resume(cluster, reference, tmp_path, temp
     assert summary["param_sha256"] == reference["param_sha256"]
 
 
+@pytest.mark.timeout(600)
 def test_preemption_array_task_requeues_only_itself(cluster, reference, tmp_path):
     base = tmp_path / "sweep_{array_task}"
     job = submit(cluster, "srun.sbatch", base, *SLOW, sbatch=["--array=0-1"])
     tasks = {i: f"{job}_{i}" for i in range(2)}
-    wait_step(tmp_path / "sweep_1", 10)
+    wait_step(cluster, tasks[1], tmp_path / "sweep_1", 10)
     warn_job(cluster, tasks[1], base)
     release_requeued(cluster, tasks[1])
     infos = {i: cluster.wait_job(t, timeout=300) for i, t in tasks.items()}

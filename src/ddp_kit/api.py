@@ -352,7 +352,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
     checkpoints. `options` are guard.Policy's fields: resume, ckpt_every, ckpt_every_s, keep_last,
     async_ckpt, hang_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
-    sync_fix, log_every, rank_metrics, straggler_margin. `timeout_s` bounds the rendezvous and
+    sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin. `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
     goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the
     same one at startup (a rank with a different one is named).

@@ -190,10 +190,13 @@ class Checkpointer:
             files["meta.json"] = write_durable(tmp / "meta.json", {**meta, "step": step, "world_size": world})
         if store and world > 1:
             store.set(f"{key}/files/{rank}", json.dumps(files))
+        if self.ctx.is_main and store and world > 1:
+            # Two round trips whatever the world size: the store answers once every rank has posted.
+            keys = [f"{key}/files/{r}" for r in range(1, world)]
+            store.wait(keys, _td(self.timeout_s))
+            for posted in store.multi_get(keys):
+                files.update(json.loads(posted))
         if self.ctx.is_main:
-            for r in range(1, world):
-                store.wait([f"{key}/files/{r}"], _td(self.timeout_s))
-                files.update(json.loads(store.get(f"{key}/files/{r}")))
             write_durable(tmp / MANIFEST, {"step": step, "world_size": world, "files": files})
             fsync_dir(tmp)
             final = self.root / name

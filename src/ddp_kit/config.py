@@ -67,6 +67,7 @@ class TrainConfig:
     hang_timeout_s: float = _f(180.0, "No progress on a rank for this long: dump stacks to run_dir/hang, report the lagging rank, exit (0: off).")
     preempt_check_every: int = _f(10, "Steps between the ranks' agreement on a preemption signal (SIGUSR2 under SLURM, SIGTERM): all stop after the same step.")
     rank_metrics: bool = _f(True, "Gather every rank's step-time split, samples/s and peak memory into metrics.jsonl at each log event.")
+    rank_records_max: int = _f(64, "Up to this world size each metrics record keeps every rank's entry; above it, the median, max and argmax rank per field.")
     straggler_margin: float = _f(0.2, "Warn when a rank's own work per step exceeds the median rank's by this fraction for 2 log windows (0: off).")
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/faults.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
@@ -84,7 +85,8 @@ class TrainConfig:
 
 NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
                         "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
-                        "collective_timeout_s", "hang_timeout_s", "preempt_check_every", "rank_metrics", "straggler_margin"})
+                        "collective_timeout_s", "hang_timeout_s", "preempt_check_every", "rank_metrics", "rank_records_max",
+                        "straggler_margin"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 # Keys that may differ between a checkpoint and the run resuming it: how long the run goes, where

@@ -298,6 +298,15 @@ def all_same(ctx: DistContext, blob: bytes) -> bool:
     return high == -neg_low
 
 
+def all_true(ctx: DistContext, flag: bool) -> bool:
+    """Whether `flag` holds on every rank: one all-reduce (MIN) of 4 bytes whatever the world size."""
+    if ctx.world_size == 1:
+        return flag
+    t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=ctx.control_device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
     if ctx.world_size == 1:
         return obj

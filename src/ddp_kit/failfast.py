@@ -21,6 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
+from .env import poll_period
+
 EXIT_PEER_FAILED = 1
 FAILED_KEY = "ddp_kit/failed"
 # How long the process hosting the store (rank 0 outside torchrun) stays after a failure is posted:
@@ -92,7 +94,9 @@ class FailFast:
     def __init__(self, connect, rank: int, world_size: int, poll_s: float = 0.5, linger_s: float = 0.0):
         """`connect()` returns this thread's own store connection (made in the thread: it may wait for
         rank 0 to open the store, and the main thread must not)."""
-        self.connect, self.rank, self.world_size, self.poll_s = connect, rank, world_size, poll_s
+        # One store operation per poll (a check; a get only once a failure is posted).
+        self.connect, self.rank, self.world_size = connect, rank, world_size
+        self.poll_s = poll_period(world_size, poll_s, 1)
         self.linger_s = linger_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-failfast", daemon=True)

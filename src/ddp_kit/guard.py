@@ -42,11 +42,11 @@ from . import __version__
 from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .ckpt_folder import archive_abandoned
 from .data import TrainLoader
-from .dist import (DistContext, all_gather_object, all_reduce_sum, barrier, rank0_verdict,
+from .dist import (DistContext, all_reduce_sum, all_true, barrier, broadcast_object, gather_object, rank0_verdict,
                    set_collective_timeout)
 from .errors import UserError
 from .failure import handle
-from .metrics import StepTimer, StragglerWatch, gather_ranks
+from .metrics import StepTimer, StragglerWatch, gather_ranks, summarize_ranks
 from .numerics import NonFiniteLoss
 from .outputs import RunWriter
 from .preempt import PreemptFlag, agree_stop, exit_code, requeue
@@ -76,6 +76,7 @@ class Policy:
     sync_fix: str = "error"  # on divergence: error, or broadcast rank 0's weights
     log_every: int = 50  # steps between metrics.jsonl records (0: off)
     rank_metrics: bool = True  # each record holds every rank's time split; stragglers are named
+    rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
     straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
     ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down
 
@@ -455,7 +456,10 @@ class Guard:
                 per_step = (self.loaders[0].global_batch // ctx.world_size) if self.loaders else 0
                 ranks = gather_ranks(ctx, self.timer.window(), per_step)
                 if ranks is not None:  # rank 0: per-rank records are per-rank by nature, so they reach it only
-                    record["ranks"] = ranks
+                    if len(ranks) <= self.policy.rank_records_max:
+                        record["ranks"] = ranks
+                    else:  # metrics.jsonl stays O(1) per record; the straggler check still sees every rank
+                        record["rank_summary"] = summarize_ranks(ranks)
                     for line in self.stragglers.update(ranks):
                         self.say(f"ddp_kit: warning: {line}")
         for fn in self.on_log:
@@ -511,11 +515,13 @@ def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
 
     token = rank0_verdict(ctx, rank0)
     if ctx.world_size > 1:
-        seen = all_gather_object(ctx, (sees_token(rd.path, token), socket.gethostname()))
+        sees = sees_token(rd.path, token)
+        everyone = all_true(ctx, sees)  # 4 bytes per rank; who is blind is asked only if someone is
         if ctx.is_main:
             remove_token(rd.path, token)
-        blind = [(r, host) for r, (ok, host) in enumerate(seen) if not ok]
-        if blind:
+        if not everyone:
+            gathered = gather_object(ctx, None if sees else (ctx.rank, socket.gethostname()))
+            blind = broadcast_object(ctx, [g for g in gathered if g] if ctx.is_main else None)
             r, host = blind[0]
             more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
             raise UserError(f"run_dir {str(rd.path)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "

@@ -63,6 +63,19 @@ def gather_ranks(ctx: DistContext, window: dict[str, float], samples_per_step: i
     return gather_object(ctx, mine)
 
 
+def summarize_ranks(ranks: list[dict]) -> dict[str, dict]:
+    """Per numeric field: the median over ranks, the max and the rank holding it (where a straggler
+    shows), for records too many ranks wide to keep whole."""
+    out = {}
+    for key, value in ranks[0].items():
+        if key in ("rank", "pid") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        vals = [(r.get(key, 0.0), r["rank"]) for r in ranks]
+        top, who = max(vals)
+        out[key] = {"median": statistics.median(v for v, _ in vals), "max": top, "argmax": who}
+    return out
+
+
 @dataclass
 class StragglerWatch:
     """Warn once a rank's local time exceeds the median rank's by `margin` for `patience` windows in a row."""

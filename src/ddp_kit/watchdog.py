@@ -22,6 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .env import poll_period
 from .progress import PHASES, SLOW_PHASES, Progress
 
 EXIT_HANG = 3
@@ -49,7 +50,10 @@ class Watchdog:
     def __init__(self, store, rank: int, world_size: int, progress: Progress, hang_timeout_s: float,
                  slow_timeout_s: float, dump_dir: str | Path, poll_s: float = 1.0, host: str = ""):
         self.rank, self.world_size, self.progress = rank, world_size, progress
-        self.hang_timeout_s, self.slow_timeout_s, self.poll_s = hang_timeout_s, slow_timeout_s, poll_s
+        # Two store operations per poll (publish, check the abort flag): the period grows past
+        # 1,000 ranks so the store's load stays bounded (env.poll_period).
+        self.hang_timeout_s, self.slow_timeout_s = hang_timeout_s, slow_timeout_s
+        self.poll_s = poll_period(world_size, poll_s, 2)
         self.dump_dir = Path(dump_dir)
         self.host = host or os.uname().nodename
         self._stop = threading.Event()
@@ -110,25 +114,25 @@ class Watchdog:
         self._dump()
         if self.rank != 0:
             # Rank 0 writes the report; give it time, then leave on our own if it never does.
-            deadline = time.monotonic() + max(10.0, self.hang_timeout_s)
+            deadline = time.monotonic() + max(10.0, self.hang_timeout_s, 4 * self.poll_s)
             while time.monotonic() < deadline and not self.store.check([_ABORT]):
                 time.sleep(0.2)
             if not self.store.check([_ABORT]):
                 print(f"ddp_kit: [rank {self.rank}] no progress for {stalled_for:.0f}s in {self.progress.phase} at step "
                       f"{self.progress.step}; stacks in {self.dump_dir}", file=sys.stderr, flush=True)
             os._exit(EXIT_HANG)
-        time.sleep(min(2.0, self.poll_s * 2))  # let every rank publish its latest position
+        time.sleep(max(2.0, self.poll_s * 1.5))  # let every rank publish its latest position
         print(hang_report(self._positions(), stalled_for, self.dump_dir), file=sys.stderr, flush=True)
         self.store.set(_ABORT, "hang")
         time.sleep(self.poll_s * 1.5)  # the others see the flag, dump, and exit
         os._exit(EXIT_HANG)
 
     def _positions(self) -> dict[int, dict]:
-        out = {}
-        for r in range(self.world_size):
-            key = f"ddp_kit/progress/{r}"
-            out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-        return out
+        """Every rank's last report, read once at hang time (rank 0 only)."""
+        keys = [f"ddp_kit/progress/{r}" for r in range(self.world_size)]
+        if self.store.check(keys):  # the usual case: one round trip for all of them
+            return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
+        return {r: json.loads(self.store.get(k)) if self.store.check([k]) else None for r, k in enumerate(keys)}
 
 
 def lagging(positions: dict[int, dict | None]) -> list[int]:
