@@ -42,7 +42,8 @@ def run_world(world: int, tmp: Path, steps: int, budget: float | None) -> list[d
            str(HERE / "control_plane_worker.py"), "--out_dir", str(out), "--steps", str(steps)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
-        raise SystemExit(f"control-plane job at world {world} failed:\n{res.stderr[-4000:]}")
+        ours = "\n".join(line for line in res.stderr.splitlines() if line.startswith("ddp_kit:"))
+        raise SystemExit(f"control-plane job at world {world} failed:\n{ours}\n{res.stderr[-3000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -140,7 +140,7 @@ def main(out_dir: str, steps: int = 40, poll_window_s: float = 6.0):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     data = torch.utils.data.TensorDataset(torch.randn(64 * world * steps, 16), torch.randint(0, 4, (64 * world * steps,)))
-    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=8 * world, shuffle=True, drop_last=True)  # 8 per rank
     model, loader = run.prepare(model, loader)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     run.resume(optimizer=opt)

@@ -88,3 +88,17 @@ def test_straggler_named_among_four_with_summarised_records(tmp_path):
     train = [r for r in train if r["event"] == "train"]
     assert train and all("ranks" not in r and "rank_summary" in r for r in train)
     assert train[-1]["rank_summary"]["local_s"]["argmax"] == 2, train[-1]["rank_summary"]["local_s"]
+
+
+@pytest.mark.slow
+def test_control_traffic_runs_on_the_side_group(tmp_path):
+    """Every control-plane collective (agreement, preemption flag, NaN guard, log numbers, rank metrics,
+    sync check, its divergence path) names the CPU side group, which under NCCL keeps it off the GPU."""
+    from conftest import HELPERS
+    res = ok(torchrun([str(HELPERS / "side_group.py")], nproc=2, timeout=120))
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2 and all(r["side"] for r in lines), res.stdout
+    for r in lines:
+        assert len(r["calls"]) >= 12, r["calls"]
+        assert all(on_side for _, on_side in r["calls"]), r["calls"]
+        assert "rank 1" in (r["diverged"] or "") and "weight" in r["diverged"], r

@@ -45,7 +45,7 @@ from .preempt import PreemptFlag
 from .rundir import RunDir
 from .sync import main_only
 from .progress import Progress
-from .wrap import sync_gradients, unwrap, wrap_model
+from .wrap import kernel_settings, sync_gradients, unwrap, wrap_model
 
 
 class Run:
@@ -67,22 +67,24 @@ class Run:
     run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
 
     def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False, channels_last: bool = False,
-                grad_accum: int = 1) -> Any:
+                grad_accum: int = 1, ddp: dict[str, Any] | None = None) -> Any:
         """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
 
         Everything returned that has state_dict/load_state_dict (the model, the loader with its data
         position, an optimizer or scheduler passed along) is registered for checkpoints. With
         `grad_accum=k` a loader yields k micro-batches per optimizer step (the global batch split
-        over ranks and micro-steps); use `run.accumulate` on the first k-1."""
-        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum) for o in objs]
+        over ranks and micro-steps); use `run.accumulate` on the first k-1. `ddp`: DDP's own options
+        (e.g. {"bucket_cap_mb": 50, "static_graph": True}); gradient_as_bucket_view is on by default."""
+        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp) for o in objs]
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._guard.track(o)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int) -> Any:
+    def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
+                     ddp: dict[str, Any] | None) -> Any:
         if isinstance(obj, nn.Module):
-            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last)
+            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp)
         if isinstance(obj, DataLoader):
             return self.train_loader(obj, grad_accum)
         return obj
@@ -346,7 +348,7 @@ def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
 
 def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0,
          split_batches: bool = True, seed: int = 0, config: dict | None = None, env: DistEnv | None = None,
-         **options: Any) -> Run:
+         tf32: bool = True, cudnn_benchmark: bool = True, deterministic: bool = False, **options: Any) -> Run:
     """Join the job this process was launched into (or run alone) and return its Run.
 
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
@@ -355,7 +357,9 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin. `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
     goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the
-    same one at startup (a rank with a different one is named).
+    same one at startup (a rank with a different one is named). `tf32`, `cudnn_benchmark` and
+    `deterministic` are the process's kernel switches (wrap.kernel_settings); bit-identical resume
+    on a GPU needs deterministic=True.
 
     Teardown (and a final checkpoint after a clean end) happens at `run.close()`, at `with` exit,
     or at interpreter exit. An error that ends the script goes through the failure policy first.
@@ -376,6 +380,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     except BaseException:
         stack.close()
         raise
+    kernel_settings(ctx.device, tf32=tf32, cudnn_benchmark=cudnn_benchmark, deterministic=deterministic)
     guard = Guard(ctx, policy, progress, flag)
     guard.config = config
     box.append(guard)

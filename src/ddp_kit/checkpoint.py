@@ -37,40 +37,113 @@ from .errors import UserError
 
 
 
-def snapshot(obj: Any, reuse: Any = None) -> Any:
-    """A CPU copy of every tensor in a nested state, so training can go on while it is written.
+ALIGN = 64  # bytes: every view into a host buffer starts aligned for any dtype
 
-    `reuse` is the previous snapshot of the same structure: its buffers are overwritten in place
-    (already-touched memory copies several times faster than fresh allocations).
-    """
+
+class HostBuffer:
+    """One page-locked host buffer at its exact size, for the GPU tensors of one checkpoint file.
+
+    Registered with cudaHostRegister rather than taken from torch's pinned allocator, which rounds
+    each allocation up to a power of two (up to 2x the state page-locked). If registration fails the
+    buffer stays pageable: the copies are then synchronous, and still correct. GPU-only."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)) == 0
+
+    def __del__(self):
+        if getattr(self, "pinned", False):
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        if (isinstance(reuse, torch.Tensor) and reuse.shape == obj.shape and reuse.dtype == obj.dtype
-                and reuse.device.type == "cpu"):
-            return reuse.copy_(obj.detach(), non_blocking=obj.device.type == "cuda")
-        pin = obj.device.type == "cuda"
-        out = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin) if obj.numel() else obj.detach().cpu().clone()
-        return out.copy_(obj.detach(), non_blocking=pin) if obj.numel() else out
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _aligned(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+
+
+def snapshot(obj: Any, reuse: Any = None, host: HostBuffer | None = None) -> tuple[Any, HostBuffer | None]:
+    """A CPU copy of every tensor in a nested state, so training can go on while it is written;
+    returns it with the host buffer that holds its GPU tensors.
+
+    GPU tensors are copied (asynchronously) into views of one flat page-locked buffer, `host` when it
+    is large enough (the caller keeps it for the next snapshot of the same state), so `torch.save`
+    of the result writes one storage per file. CPU tensors are cloned; `reuse` is the previous
+    snapshot of the same structure, whose CPU buffers are overwritten in place (already-touched
+    memory copies several times faster than fresh allocations).
+    """
+    gpu = [t for t in _tensors(obj) if t.device.type == "cuda"]
+    views: list[torch.Tensor] = []
+    if gpu:
+        need = sum(_aligned(t) for t in gpu)
+        if host is None or host.nbytes < need:
+            host = HostBuffer(need)
+        offset = 0
+        for t in gpu:
+            nbytes = t.numel() * t.element_size()
+            view = host.data[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            views.append(view.copy_(t.detach(), non_blocking=host.pinned))
+            offset += _aligned(t)
+    return _copy(obj, reuse, iter(views)), host
+
+
+def _copy(obj: Any, reuse: Any, views) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cuda":
+            return next(views)
+        if isinstance(reuse, torch.Tensor) and reuse.shape == obj.shape and reuse.dtype == obj.dtype:
+            return reuse.copy_(obj.detach())
+        return obj.detach().clone()
     if isinstance(obj, dict):
         prev = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, prev.get(k)) for k, v in obj.items()}
+        return {k: _copy(v, prev.get(k), views) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         prev = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        return type(obj)(snapshot(v, r) for v, r in zip(obj, prev))
+        return type(obj)(_copy(v, r, views) for v, r in zip(obj, prev))
+    return obj
+
+
+def to_host(obj: Any) -> Any:
+    """Every GPU tensor of a nested state copied to CPU (CPU tensors as they are): what a synchronous
+    save writes, so that model.pt loads with a plain torch.load on a machine with no GPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type == "cuda" else obj
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
     return obj
 
 
 def rng_state() -> dict:
+    """This process's RNG states: Python's, the CPU generator's and its own GPU's only (the current
+    device), so a checkpoint of the torchrun layout (every GPU visible) resumes in the srun layout
+    (one GPU per task) and back."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_own"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_own" in state:
+        torch.cuda.set_rng_state(state["cuda_own"].cpu())
+    elif "cuda" in state:  # older checkpoints: every visible GPU's state; take this process's own
+        states = state["cuda"]
+        torch.cuda.set_rng_state(states[min(torch.cuda.current_device(), len(states) - 1)].cpu())
 
 
 def _as_tuple(x):
@@ -93,7 +166,8 @@ class Checkpointer:
         self.write_delay_s = write_delay_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._buffers: Any = None
+        self._buffers: Any = None  # the previous async snapshot (its CPU buffers are reused)
+        self._hosts: dict[str, HostBuffer | None] = {}  # per file kind: the flat page-locked buffer
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -112,8 +186,16 @@ class Checkpointer:
                             f"{latest_name(self.root)}",
                             "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
         if self.async_save:
-            shared = snapshot(shared, self._buffers) if self.ctx.is_main else {}
-            per_rank = snapshot(per_rank)
+            if self.ctx.is_main:  # one flat buffer per file: torch.save writes one storage per file
+                prev = self._buffers or {}
+                model, self._hosts["model"] = snapshot({k: v for k, v in shared.items() if k == "model"},
+                                                       prev, self._hosts.get("model"))
+                state, self._hosts["state"] = snapshot({k: v for k, v in shared.items() if k != "model"},
+                                                       prev, self._hosts.get("state"))
+                shared = {**model, **state}
+            else:
+                shared = {}
+            per_rank, _ = snapshot(per_rank)
             if self.ctx.device.type == "cuda":
                 torch.cuda.current_stream(self.ctx.device).synchronize()  # the non-blocking copies must land
             self._buffers = shared
@@ -121,6 +203,8 @@ class Checkpointer:
                                             name=f"ddp_kit-ckpt-{step}", daemon=False)
             self._thread.start()
         else:
+            if self.ctx.device.type == "cuda":  # plain CPU tensors on disk: loadable with no GPU
+                shared, per_rank = (to_host(shared) if self.ctx.is_main else {}), to_host(per_rank)
             self._commit(step, shared, per_rank, meta)
 
     def latest_name(self) -> str:
@@ -242,11 +326,11 @@ class Checkpointer:
         return Found(Path(value[0]), value[1]) if value else None
 
     def load(self, found: Found) -> tuple[dict, dict | None, dict]:
-        """(shared state, this rank's per-rank state or None, meta), tensors mapped to this rank's device."""
-        dev = self.ctx.device
-        shared = torch.load(found.path / "train_state.pt", map_location=dev, weights_only=True)
+        """(shared state, this rank's per-rank state or None, meta), on CPU: load_state_dict copies each
+        tensor to its device once, so the model is never held twice on the GPU."""
+        shared = torch.load(found.path / "train_state.pt", map_location="cpu", weights_only=True)
         if (found.path / "model.pt").exists():
-            shared["model"] = torch.load(found.path / "model.pt", map_location=dev, weights_only=True)
+            shared["model"] = torch.load(found.path / "model.pt", map_location="cpu", weights_only=True)
         own = found.path / f"rank{self.ctx.rank}.pt"
         per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         meta = json.loads((found.path / "meta.json").read_text())

@@ -46,7 +46,7 @@ class TrainConfig:
     seed: int = _f(0, "Seed for the model init, the data order and the RNGs. Same seed and global batch give the same recipe on any world size.")
     run_dir: str = _f("runs/default", "Where rank 0 writes config.yaml, metrics.jsonl, summary.json (and checkpoints).")
     amp: str = _f("off", "Mixed precision: off, bf16 (autocast), fp16 (autocast + GradScaler, CUDA only).", ("off", "bf16", "fp16"))
-    num_workers: int = _f(0, "DataLoader worker processes per rank.")
+    num_workers: int = _f(-1, "DataLoader worker processes per rank (-1: 0 on CPU; on CUDA this rank's share of the node's CPUs less one, at most 8).")
     log_every: int = _f(50, "Optimizer steps between log lines and metrics.jsonl records.")
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
@@ -54,6 +54,11 @@ class TrainConfig:
     sync_bn: bool = _f(False, "Convert BatchNorm layers to SyncBatchNorm when world size > 1.")
     compile: bool = _f(False, "Wrap the model in torch.compile.")
     channels_last: bool = _f(False, "Use channels_last memory format for image models.")
+    tf32: bool = _f(True, "CUDA: TF32 tensor cores for float32 matmuls and convolutions (about 10 mantissa bits).")
+    cudnn_benchmark: bool = _f(True, "CUDA: let cuDNN time its algorithms on the first batches of each shape and keep the fastest.")
+    deterministic: bool = _f(False, "Deterministic kernels (cuDNN deterministic, torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG); bit-identical resume on a GPU needs it.")
+    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MiB: larger buckets, fewer all-reduces.")
+    static_graph: bool = _f(False, "DDP static_graph: the set of used parameters never changes between steps (enables more overlap).")
     synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")
@@ -101,7 +106,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 #   eval_every_epoch    evaluation only.
 # compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
 RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
-                                    "eval_every_epoch"})
+                                    "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic",
+                                    "bucket_cap_mb", "static_graph"})
 # These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
 _UNREPORTED = frozenset({"resume", "inject"})
 
@@ -291,8 +297,8 @@ def _validate(cfg: TrainConfig) -> None:
         from .faults import parse
 
         parse(cfg.inject)
-    if cfg.num_workers < 0:
-        raise UserError(f"num_workers must be >= 0; got {cfg.num_workers}", "e.g. --num_workers 2")
+    if cfg.num_workers < -1:
+        raise UserError(f"num_workers must be >= 0, or -1 for automatic; got {cfg.num_workers}", "e.g. --num_workers 2")
 
 
 def help_text() -> str:

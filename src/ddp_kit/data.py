@@ -315,4 +315,5 @@ def eval_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int
     """A loader over this rank's exact share of `dataset`. Reduce sums (not means) across ranks."""
     return DataLoader(dataset, batch_size=batch_size, sampler=EvalSampler(check_sized(dataset), world_size, rank),
                       num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
-                      worker_init_fn=worker_init(worker_init_fn))
+                      worker_init_fn=worker_init(worker_init_fn),
+                      persistent_workers=num_workers > 0)  # evaluated every epoch: no new workers each time

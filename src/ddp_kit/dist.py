@@ -39,6 +39,10 @@ class DistContext:
     store: Any = field(default=None, compare=False)
     timeout_s: float = 600.0
     failfast: Any = field(default=None, compare=False)  # FailFast: `quiet()` it before handling a failure
+    # ddp_kit's own collectives (agreement, preemption flag, log numbers, rank metrics, sync-check
+    # tables) run on this CPU (gloo) group beside an NCCL default group: small tensors in host memory,
+    # so they never queue behind the GPU's work nor make the host wait for it. None: the default group.
+    control_group: Any = field(default=None, compare=False)
 
     def store_client(self) -> tdist.Store | None:
         """A connection of its own to the rendezvous store, for a helper thread: a TCPStore client
@@ -48,8 +52,9 @@ class DistContext:
 
     @property
     def control_device(self) -> torch.device:
-        """Where small control tensors go for a collective: NCCL only moves GPU tensors."""
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        """Where small control tensors go for a collective: host memory, except on an NCCL default
+        group without a CPU side group (NCCL only moves GPU tensors)."""
+        return self.device if self.backend == "nccl" and self.control_group is None else torch.device("cpu")
 
     @property
     def rank(self) -> int:
@@ -158,10 +163,13 @@ def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
 
 @contextmanager
 def distributed(env: DistEnv | None = None, backend: str = "auto", device: str = "auto",
-                timeout_s: float = 600.0, dump_dir: str | None = None) -> Iterator[DistContext]:
+                timeout_s: float = 600.0, dump_dir: str | None = None,
+                side_group: bool | None = None) -> Iterator[DistContext]:
     """Set up this process's place in the job; tear it down on the way out, whatever happens.
 
     `dump_dir`: where NCCL's flight recorder writes its trace when a collective times out.
+    `side_group`: run ddp_kit's control collectives on a CPU gloo group of their own (None: exactly
+    when the default group is NCCL, where a control collective would otherwise cost device syncs).
     """
     env = detect() if env is None else env
     dev = choose_device(env, device)
@@ -187,6 +195,8 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         if dev.type == "cuda":
             kwargs["device_id"] = dev
         tdist.init_process_group(be, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+        side = (be == "nccl") if side_group is None else side_group
+        control = tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
     except UserError:
         raise
     except Exception as exc:  # rendezvous failures are user-fixable far more often than not
@@ -203,12 +213,14 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         raise err from exc
     finally:
         deadline.cancel()
+    failed = True
     try:
         yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None,
-                          timeout_s=timeout_s, failfast=failfast)
+                          timeout_s=timeout_s, failfast=failfast, control_group=control)
+        failed = False
     finally:
         failfast.stop()
-        teardown()
+        teardown(abort=failed and be == "nccl")
 
 
 def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:
@@ -221,41 +233,53 @@ def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:
 
 
 def nccl_defaults(dump_dir: str | None) -> None:
-    """Async error handling and the flight recorder on by default (a user's own setting wins).
+    """The flight recorder on by default (a user's own setting wins). TORCH_NCCL_ASYNC_ERROR_HANDLING
+    keeps torch's own default (3: tear down without aborting the communicator, since an abort can
+    itself hang); the hang watchdog writes the trace to run_dir/hang itself (watchdog.py).
 
     These are read by the NCCL process group of this process when it is created, so they are set
     in our own environment just before init; nothing else here writes the environment."""
-    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     if dump_dir:  # the folder is made after run_dir is checked (a read-only run_dir is one line, not a traceback)
         defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "nccl_trace_rank_")
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
 
 
-def teardown() -> None:
+def teardown(abort: bool = False) -> None:
     """Destroy the default group. Collecting garbage first frees DDP's reducer before the group
-    goes, which avoids a SIGABRT at exit seen with some torch releases (pytorch#190489)."""
+    goes, which avoids a SIGABRT at exit seen with some torch releases (pytorch#190489).
+
+    `abort` (an NCCL job leaving on an error): abort the communicators instead. Destroying waits for
+    their pending work, which after a failed or hung collective never finishes."""
     gc.collect()
     if tdist.is_available() and tdist.is_initialized():
         try:
+            if abort:
+                tdist.distributed_c10d._abort_process_group()
+                return
             tdist.destroy_process_group()
         except Exception as exc:  # a broken group must not hide the error that broke it
             print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
 
 
 def set_collective_timeout(ctx: DistContext, seconds: float) -> None:
-    """Change the default group's timeout for every later collective (e.g. shorter after startup)."""
+    """Change the timeout of every later collective, on the default and the control group (e.g.
+    shorter after startup)."""
     if ctx.world_size > 1 and seconds > 0:
         setter = getattr(tdist, "set_timeout", None) or tdist.distributed_c10d._set_pg_timeout
         setter(timedelta(seconds=seconds))
+        if ctx.control_group is not None:
+            setter(timedelta(seconds=seconds), group=ctx.control_group)
 
 
-# ---- small rank helpers; all take the context explicitly ------------------------------------------
+# ---- small rank helpers; all take the context explicitly and run on its control group --------------
 
 def barrier(ctx: DistContext) -> None:
     if ctx.world_size > 1:
-        if ctx.backend == "nccl":
+        if ctx.control_group is not None:
+            tdist.barrier(group=ctx.control_group)
+        elif ctx.backend == "nccl":
             tdist.barrier(device_ids=[ctx.device.index])
         else:
             tdist.barrier()
@@ -265,7 +289,7 @@ def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
     """Sum a few numbers over ranks, in float64 so counts stay exact."""
     t = torch.tensor(values, dtype=torch.float64, device=ctx.control_device)
     if ctx.world_size > 1:
-        tdist.all_reduce(t)
+        tdist.all_reduce(t, group=ctx.control_group)
     return t.tolist()
 
 
@@ -273,7 +297,7 @@ def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
     if ctx.world_size == 1:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    tdist.all_gather_object(out, obj)
+    tdist.all_gather_object(out, obj, group=ctx.control_group)
     return out
 
 
@@ -282,7 +306,7 @@ def gather_object(ctx: DistContext, obj: Any) -> list[Any] | None:
     if ctx.world_size == 1:
         return [obj]
     out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    tdist.gather_object(obj, out, dst=0)
+    tdist.gather_object(obj, out, dst=0, group=ctx.control_group)
     return out
 
 
@@ -293,7 +317,7 @@ def all_same(ctx: DistContext, blob: bytes) -> bool:
         return True
     digest = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
     t = torch.tensor([digest, -digest], dtype=torch.int64, device=ctx.control_device)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=ctx.control_group)
     high, neg_low = t.tolist()
     return high == -neg_low
 
@@ -303,7 +327,7 @@ def all_true(ctx: DistContext, flag: bool) -> bool:
     if ctx.world_size == 1:
         return flag
     t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=ctx.control_device)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN, group=ctx.control_group)
     return bool(t.item())
 
 
@@ -311,7 +335,7 @@ def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
     if ctx.world_size == 1:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=src)
+    tdist.broadcast_object_list(box, src=src, group=ctx.control_group)
     return box[0]
 
 

@@ -14,6 +14,7 @@ from .api import Run
 from .config import TrainConfig
 from .faults import Injector, parse as parse_faults
 from .metrics import model_flops_per_sample, peak_tflops
+from .resources import loader_workers
 from .tasks import build as build_task
 from .wrap import check_amp, grad_scaler, to_device
 
@@ -40,19 +41,25 @@ class Job:
 def build(cfg: TrainConfig, run: Run) -> Job:
     check_amp(cfg.amp, run.device)
     torch.manual_seed(cfg.seed + run.rank)  # per-rank stream for augmentation; weights use their own seed
+    workers = loader_workers(run.ctx.env, run.device) if cfg.num_workers < 0 else cfg.num_workers
     task = build_task(cfg.model, cfg.model_args, cfg.dataset, cfg.dataset_args, cfg.loss, seed=cfg.seed,
                       data_root=cfg.data_root, download=cfg.download, synthetic_size=cfg.synthetic_size)
     model, train_loader = run.prepare(task.model.to(run.device),
                                       DataLoader(task.train, batch_size=cfg.batch_size, shuffle=True,
-                                                 num_workers=cfg.num_workers, drop_last=True),
+                                                 num_workers=workers, drop_last=True),
                                       grad_accum=cfg.grad_accum, sync_bn=cfg.sync_bn, compile=cfg.compile,
-                                      channels_last=cfg.channels_last)
+                                      channels_last=cfg.channels_last,
+                                      ddp={"bucket_cap_mb": cfg.bucket_cap_mb, "static_graph": cfg.static_graph})
     test_loader = run.eval_loader(DataLoader(task.test, batch_size=max(train_loader.micro_batch, 256),
-                                             num_workers=cfg.num_workers))
+                                             num_workers=workers))
+    # Fused on CUDA: one kernel for the whole update, and GradScaler's inf check stays on the device
+    # (with a non-fused optimizer, GradScaler.step reads found_inf on the host: a sync every step).
+    fused = {"fused": True} if run.device.type == "cuda" else {}
     if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                    **fused)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     total = cfg.epochs * train_loader.steps_per_epoch
     total = min(total, cfg.max_steps) if cfg.max_steps else total
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(cfg.lr_schedule, total))

@@ -32,7 +32,7 @@ class NonFiniteLoss:
         mine = _NONE if self.first is None else int(self.first.item())
         first = torch.tensor([mine], dtype=torch.int64, device=ctx.control_device)
         if ctx.world_size > 1:
-            tdist.all_reduce(first, op=tdist.ReduceOp.MIN)
+            tdist.all_reduce(first, op=tdist.ReduceOp.MIN, group=ctx.control_group)
         step = int(first.item())
         if step == _NONE:
             return

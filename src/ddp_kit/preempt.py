@@ -125,7 +125,7 @@ def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple
     if ctx.world_size == 1:
         return flag.signum, also
     t = torch.tensor([PRIORITY.index(flag.signum), int(also)], dtype=torch.int64, device=ctx.control_device)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=ctx.control_group)
     prio, any_also = t.tolist()
     return int(PRIORITY[prio]), bool(any_also)
 

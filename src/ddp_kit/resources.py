@@ -51,6 +51,16 @@ def threads_per_rank(env: DistEnv, environ: Mapping[str, str], cpus_visible: int
     return max(1, cpus // local), f"{cpus} {source} / {local} rank(s) on this node"
 
 
+def loader_workers(env: DistEnv, device: torch.device, cpus_visible: int | None = None) -> int:
+    """DataLoader workers per rank when none are asked for: 0 on CPU (the rank's own threads do the
+    work, and workers would compete with them), on CUDA the rank's share of the node's CPUs, less one
+    for the rank itself, at most 8."""
+    if device.type != "cuda":
+        return 0
+    cpus = env.cpus_on_node or (cpus_visible if cpus_visible is not None else _cpus_visible())
+    return max(0, min(8, cpus // max(1, env.local_world_size) - 1))
+
+
 def _cpus_visible() -> int:
     try:
         return len(os.sched_getaffinity(0))

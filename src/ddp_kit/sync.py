@@ -84,9 +84,25 @@ def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                                              if b.is_floating_point() and n not in skip]
 
 
+# Elements per slice: the float64 working copy stays under 2 x 32 MiB whatever the tensor's size (a
+# whole 128k x 2048 embedding in float64 would be 2 GiB, twice over for |x|).
+CHUNK = 1 << 22
+
+
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    out = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for i in range(0, flat.numel(), CHUNK):
+        part = flat[i:i + CHUNK].double()
+        out[0] += part.sum()
+        out[1] += part.abs().sum()
+    return out
+
+
 def checksums(model: nn.Module) -> torch.Tensor:
-    """Per tensor: (sum, sum of |x|) in float64. Cheap, and bit-sensitive enough to catch drift."""
-    rows = [torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]) for _, t in _state_tensors(model)]
+    """Per tensor: (sum, sum of |x|) in float64, in slices of CHUNK elements (the same order on every
+    rank, so equal weights give equal bits). Cheap, and bit-sensitive enough to catch drift."""
+    rows = [_sums(t) for _, t in _state_tensors(model)]
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -95,15 +111,15 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
     re-broadcast rank 0's values (fix='broadcast') and return a warning line."""
     if ctx.world_size == 1:
         return None
-    table = checksums(model)
-    if all_same(ctx, table.cpu().numpy().tobytes()):
+    table = checksums(model).cpu()  # on a GPU, the one device->host read of a sync-check step
+    if all_same(ctx, table.numpy().tobytes()):
         return None
     # Only on a mismatch: rank 0's table goes to every rank (a fixed size per rank), each rank finds
     # its own differing tensors, rank 0 gathers the names and every rank gets the same verdict.
     ref = table.to(ctx.control_device).clone()
-    tdist.broadcast(ref, src=0)
+    tdist.broadcast(ref, src=0, group=ctx.control_group)
     names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in _state_tensors(model)]
-    rows = (table.to(ref.device) != ref).any(dim=1).nonzero().flatten().tolist() if ctx.rank else []
+    rows = (table != ref.cpu()).any(dim=1).nonzero().flatten().tolist() if ctx.rank else []
     gathered = gather_object(ctx, (ctx.rank, [names[i] for i in rows]) if rows else None)
     bad: dict[int, list[str]] = broadcast_object(ctx, dict(g for g in gathered if g) if ctx.is_main else None)
     where = "; ".join(f"rank {r}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for r, ns in bad.items())

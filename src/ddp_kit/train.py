@@ -68,7 +68,8 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
     per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
     cfg = _injected_config(cfg, env.rank)
     with init(cfg.run_dir, backend=cfg.backend, device=cfg.device, timeout_s=cfg.init_timeout_s, seed=cfg.seed,
-              env=env, config=cfg.to_dict(), **policy(cfg)) as run:
+              env=env, config=cfg.to_dict(), tf32=cfg.tf32, cudnn_benchmark=cfg.cudnn_benchmark,
+              deterministic=cfg.deterministic, **policy(cfg)) as run:
         run.explain_cuda_errors(lambda err: cuda_notes(cfg, run, err))
         return _job(cfg, run)
 

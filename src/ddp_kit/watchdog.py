@@ -107,6 +107,7 @@ class Watchdog:
                     f"no progress for {time.monotonic() - p.since:.1f}s\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        dump_flight_recorder(self.dump_dir / f"nccl_trace_rank{self.rank}.pkl")
         return path
 
     def _on_hang(self, stalled_for: float) -> None:
@@ -133,6 +134,23 @@ class Watchdog:
         if self.store.check(keys):  # the usual case: one round trip for all of them
             return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
         return {r: json.loads(self.store.get(k)) if self.store.check([k]) else None for r, k in enumerate(keys)}
+
+
+def dump_flight_recorder(path: Path) -> bool:
+    """NCCL's flight recorder (the last collectives each communicator saw, and which one never
+    finished), written by us: the hang timeout ends the job before NCCL's own dump-on-timeout would
+    fire at collective_timeout_s. Read it with `python -m torch.distributed.flight_recorder.fr_trace`.
+    Nothing to write without an NCCL group."""
+    try:
+        import torch.distributed as tdist
+        if not (tdist.is_initialized() and tdist.get_backend() == "nccl"):
+            return False
+        from torch._C._distributed_c10d import _dump_nccl_trace
+        path.write_bytes(_dump_nccl_trace())
+        return True
+    except Exception as exc:  # a diagnostic must never take the stack dump and the report down with it
+        print(f"ddp_kit: warning: could not write NCCL's flight recorder trace to {path}: {exc}", file=sys.stderr)
+        return False
 
 
 def lagging(positions: dict[int, dict | None]) -> list[int]:

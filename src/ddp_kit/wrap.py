@@ -1,8 +1,9 @@
 """Model wrapping: device placement, DDP (world size > 1 only), no_sync accumulation, AMP, SyncBN, compile."""
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -13,8 +14,13 @@ from .errors import UserError
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, compile: bool = False,
-               channels_last: bool = False, find_unused_parameters: bool = False) -> nn.Module:
-    """Move `model` to the context's device and wrap it in DDP when there is more than one rank."""
+               channels_last: bool = False, find_unused_parameters: bool = False,
+               ddp: dict[str, Any] | None = None) -> nn.Module:
+    """Move `model` to the context's device and wrap it in DDP when there is more than one rank.
+
+    `ddp`: DDP's own options (bucket_cap_mb, static_graph, gradient_as_bucket_view, ...). By default
+    gradients are views into DDP's buckets (gradient_as_bucket_view): one gradient copy less in memory
+    and no copy into the buckets each step."""
     model = model.to(ctx.device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -25,10 +31,35 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, com
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if ctx.world_size > 1:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        model = DDP(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+        options = {"gradient_as_bucket_view": True, "find_unused_parameters": find_unused_parameters, **(ddp or {})}
+        try:
+            model = DDP(model, device_ids=device_ids, **options)
+        except TypeError as exc:
+            raise UserError(f"DDP refused the options {sorted(ddp or {})}: {exc}",
+                            "see torch.nn.parallel.DistributedDataParallel for the options it takes") from None
     if compile:
         model = torch.compile(model)
     return model
+
+
+def kernel_settings(device: torch.device, *, tf32: bool = True, cudnn_benchmark: bool = True,
+                    deterministic: bool = False, environ: dict | None = None) -> None:
+    """Speed and determinism switches, for the whole process.
+
+    `deterministic` wins over speed: cuDNN's deterministic algorithms without autotuning, torch's
+    deterministic implementations (an op without one raises, naming itself), and a fixed cuBLAS
+    workspace (CUBLAS_WORKSPACE_CONFIG, unless set: read at the first cuBLAS call, so set here
+    before any model runs). TF32 is left as asked: it is deterministic, only less precise."""
+    environ = os.environ if environ is None else environ
+    if deterministic:
+        environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = cudnn_benchmark and not deterministic
+    torch.backends.cudnn.deterministic = deterministic
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -1,0 +1,294 @@
+"""The GPU acceptance check: one command on one CUDA machine, under 8 minutes on an H200.
+
+    python bench/gpu_check.py [--out bench/gpu_results.json] [--steps 200] [--rounds 3]
+
+Each part runs on its own, with its own time limit; a part that fails is recorded as failed with
+its reason and the others still run. Parts:
+  pytest_cuda   `pytest -m cuda tests` (the GPU-only tests)
+  step_ratio    resnet18 on CIFAR-shaped data, bf16, batch 256: the ddp_kit API loop (run.step,
+                checkpoints, sync checks, preemption checks, per-rank metrics on) against the bare loop,
+                alternated round by round; median step time, ratio and its min..max, images/s
+  host_syncs    device->host syncs per step of that API loop (torch.cuda.set_sync_debug_mode), in
+                steady-state steps and at log / sync-check events
+  checkpoint    the training thread's blocking time of ddp_kit's async save against torch.save
+  oom_report    `python -m ddp_kit.train` under a memory-fraction cap: the OOM report is printed
+  doctor        `python -m ddp_kit.doctor --json --memory --comm`
+Not yet here: a straggler slowed on the GPU (see the closing note of issue 13).
+
+Without CUDA it says so and exits 0. Writes the JSON report and prints the BENCHMARKS.md table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import fire
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def _sub(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    t0 = time.monotonic()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                             env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as exc:
+        return {"ok": False, "why": f"timed out after {timeout}s", "tail": str(exc.stdout or "")[-2000:]}
+    return {"ok": res.returncode == 0, "rc": res.returncode, "s": round(time.monotonic() - t0, 1),
+            "stdout": res.stdout[-3000:], "stderr": res.stderr[-3000:]}
+
+
+def pytest_cuda() -> dict:
+    out = _sub([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"], 240)
+    last = (out.get("stdout") or "").strip().splitlines()[-1:] or [""]
+    return {"ok": out["ok"], "summary": last[0], "tail": out.get("stdout", "")[-1500:]}
+
+
+def _data(n: int, device):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _model():
+    import torch
+    import torchvision
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _timed_loop(step_fn, loader, steps: int, skip: int) -> float:
+    """Median seconds per step over `steps` steps after `skip`, in windows of 10 steps timed between
+    two cuda synchronize calls (so the loop itself never waits for the GPU inside a window)."""
+    import torch
+    times, it, done = [], iter(loader), 0
+    t0 = None
+    while done < steps + skip:
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            continue
+        step_fn(batch)
+        done += 1
+        if done == skip or (done > skip and (done - skip) % 10 == 0):
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            if t0 is not None:
+                times.append((now - t0) / 10)
+            t0 = now
+    return statistics.median(times)
+
+
+def _raw_variant(steps: int, skip: int, batch: int) -> float:
+    import torch
+    dev = torch.device("cuda")
+    model = _model().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    loader = torch.utils.data.DataLoader(_data(batch * 40, dev), batch_size=batch, shuffle=True, drop_last=True,
+                                         pin_memory=True)
+
+    def step(b):
+        x, y = (t.to(dev, non_blocking=True) for t in b)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _timed_loop(step, loader, steps, skip)
+
+
+def _api_variant(steps: int, skip: int, batch: int, run_dir: str, count_syncs: bool = False):
+    import torch
+
+    import ddp_kit
+    run = ddp_kit.init(run_dir=run_dir, resume="never", ckpt_every=100, async_ckpt=True, log_every=50,
+                       sync_check_every=100, preempt_check_every=10)
+    model, loader = run.prepare(_model(), torch.utils.data.DataLoader(_data(batch * 40, run.device), batch_size=batch,
+                                                                       shuffle=True, drop_last=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    run.resume(optimizer=opt)
+    syncs: list[tuple[int, int]] = []
+
+    def step(b):
+        x, y = (t.to(run.device, non_blocking=True) for t in b)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return run.step(loss)
+
+    def counted(b):  # the whole step (copy in, forward, backward, optimizer, boundary), counted
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                done = step(b)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append((done, sum("synchroniz" in str(w.message).lower() for w in caught)))
+    try:
+        if count_syncs:
+            _timed_loop(counted, loader, 100, 10)
+            return syncs
+        return _timed_loop(step, loader, steps, skip)
+    finally:
+        run.close()
+
+
+def step_ratio(steps: int, rounds: int, batch: int = 256) -> dict:
+    raw, api = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(rounds):
+            order = ("raw", "api") if r % 2 == 0 else ("api", "raw")
+            for v in order:
+                if v == "raw":
+                    raw.append(_raw_variant(steps, 20, batch))
+                else:
+                    api.append(_api_variant(steps, 20, batch, f"{d}/api{r}"))
+    ratios = [a / b for a, b in zip(api, raw)]
+    return {"ok": True, "batch": batch, "raw_ms": statistics.median(raw) * 1e3, "api_ms": statistics.median(api) * 1e3,
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "raw_img_s": batch / statistics.median(raw), "api_img_s": batch / statistics.median(api)}
+
+
+def host_syncs(batch: int = 256) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        per_step = _api_variant(0, 0, batch, d, count_syncs=True)
+    # every 10th step carries an event: the preemption check (10), a log record (50), a sync check
+    # and a checkpoint (100); the other steps are the steady state
+    steady = [n for s, n in per_step if s % 10]
+    at_events = {s: n for s, n in per_step if not s % 10}
+    return {"ok": True, "steady_steps": len(steady), "steady_syncs_max": max(steady or [0]),
+            "steady_syncs_total": sum(steady), "syncs_at_events": at_events}
+
+
+def checkpoint() -> dict:
+    import torch
+
+    from ddp_kit.checkpoint import Checkpointer
+    from ddp_kit.dist import distributed
+    dev = torch.device("cuda")
+    model = _model().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.randn(8, 3, 32, 32, device=dev)).sum().backward()
+    opt.step()
+    shared = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    out: dict = {"ok": True, "state_mb": sum(t.numel() * t.element_size() for t in _leaves(shared)) / 2**20}
+    with tempfile.TemporaryDirectory() as d, distributed() as ctx:
+        saves, blocks = [], []
+        for i in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.save(shared, f"{d}/plain.pt")
+            saves.append(time.perf_counter() - t0)
+        ck = Checkpointer(ctx, f"{d}/ckpt", async_save=True)
+        for i in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ck.save(i + 1, shared, {"rng": torch.get_rng_state()}, {})
+            blocks.append(time.perf_counter() - t0)
+            ck.wait()
+        loaded = subprocess.run([sys.executable, "-c", "import torch,sys; sd=torch.load(sys.argv[1], weights_only=True); "
+                                 "print(all(t.device.type=='cpu' for t in sd.values()))", f"{d}/ckpt/step_5/model.pt"],
+                                capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    out.update(torch_save_ms=statistics.median(saves) * 1e3, async_block_ms=statistics.median(blocks[1:]) * 1e3,
+               first_async_block_ms=blocks[0] * 1e3, model_pt_loads_without_gpu=loaded.stdout.strip() == "True")
+    out["ratio"] = out["async_block_ms"] / out["torch_save_ms"]
+    return out
+
+
+def _leaves(obj):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _leaves(v)]
+    return []
+
+
+OOM_SCRIPT = ("import sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv[1])); "
+              "sys.argv = ['ddp_kit.train'] + sys.argv[2:]; from ddp_kit.train import main; main()")
+
+
+def oom_report() -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        res = _sub([sys.executable, "-c", OOM_SCRIPT, "0.005", "--model", "resnet18", "--dataset", "synthetic",
+                    "--batch_size", "4096", "--max_steps", "3", "--progress", "false", "--run_dir", d], 180)
+    text = res.get("stderr", "")
+    lines = [line for line in text.splitlines() if line.startswith("ddp_kit:") or line.startswith("  ")]
+    named = any("out of memory" in line.lower() for line in lines)
+    return {"ok": res.get("rc") not in (0, None) and named, "rc": res.get("rc"), "lines": lines[:12]}
+
+
+def doctor() -> dict:
+    res = _sub([sys.executable, "-m", "ddp_kit.doctor", "--json", "--memory", "--comm"], 120)
+    try:
+        report = json.loads(res.get("stdout", ""))
+    except ValueError:
+        report = None
+    return {"ok": report is not None, "rc": res.get("rc"), "report": report,
+            "stderr": None if report is not None else res.get("stderr")}
+
+
+def table(results: dict) -> str:
+    out = ["| check | result |", "|---|---|"]
+    r = results.get("step_ratio", {})
+    if r.get("ok"):
+        out.append(f"| step time, resnet18 bf16 batch {r['batch']} (world 1) | raw {r['raw_ms']:.2f} ms, ddp_kit "
+                   f"{r['api_ms']:.2f} ms: ratio {r['ratio']:.3f} ({r['ratio_min']:.3f}..{r['ratio_max']:.3f}); "
+                   f"{r['api_img_s']:.0f} img/s |")
+    h = results.get("host_syncs", {})
+    if h.get("ok"):
+        out.append(f"| host syncs per steady-state step | max {h['steady_syncs_max']} over {h['steady_steps']} steps; "
+                   f"at events: {h['syncs_at_events']} |")
+    c = results.get("checkpoint", {})
+    if c.get("ok"):
+        out.append(f"| checkpoint blocking ({c['state_mb']:.0f} MiB) | async {c['async_block_ms']:.1f} ms vs torch.save "
+                   f"{c['torch_save_ms']:.1f} ms (ratio {c['ratio']:.3f}); model.pt loads without a GPU: "
+                   f"{c['model_pt_loads_without_gpu']} |")
+    for name in ("pytest_cuda", "oom_report", "doctor"):
+        if name in results:
+            v = results[name]
+            out.append(f"| {name} | {'ok' if v.get('ok') else 'FAILED'} {v.get('summary', '')} |")
+    return "\n".join(out)
+
+
+def main(out: str = str(HERE / "gpu_results.json"), steps: int = 200, rounds: int = 3, only: str = ""):
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing to measure; "
+              "run it on a GPU machine (python -m ddp_kit.doctor says why CUDA is missing)")
+        return
+    parts = {"pytest_cuda": pytest_cuda, "step_ratio": lambda: step_ratio(steps, rounds),
+             "host_syncs": host_syncs, "checkpoint": checkpoint, "oom_report": oom_report, "doctor": doctor}
+    wanted = [p for p in (only.split(",") if only else parts) if p]
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name in wanted:
+        t0 = time.monotonic()
+        try:
+            results[name] = parts[name]()
+        except Exception as exc:  # one broken part must not hide the others' figures
+            results[name] = {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+        results[name]["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"gpu_check: {name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name]['seconds']}s)",
+              flush=True)
+        Path(out).write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
