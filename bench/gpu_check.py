@@ -13,7 +13,8 @@ its reason and the others still run. Parts:
   checkpoint    the training thread's blocking time of ddp_kit's async save against torch.save
   oom_report    `python -m ddp_kit.train` under a memory-fraction cap: the OOM report is printed
   doctor        `python -m ddp_kit.doctor --json --memory --comm`
-Not yet here: a straggler slowed on the GPU (see the closing note of issue 13).
+  straggler     2 ranks on the one GPU (gloo), rank 1's GPU slowed with torch.cuda._sleep
+                (bench/gpu_straggler.py): the straggler warning names rank 1
 
 Without CUDA it says so and exits 0. Writes the JSON report and prints the BENCHMARKS.md table.
 """
@@ -177,7 +178,7 @@ def host_syncs(batch: int = 256) -> dict:
 def checkpoint() -> dict:
     import torch
 
-    from ddp_kit.checkpoint import Checkpointer
+    from ddp_kit.checkpoint import Checkpointer, tensors_in
     from ddp_kit.dist import distributed
     dev = torch.device("cuda")
     model = _model().to(dev)
@@ -185,7 +186,7 @@ def checkpoint() -> dict:
     model(torch.randn(8, 3, 32, 32, device=dev)).sum().backward()
     opt.step()
     shared = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    out: dict = {"ok": True, "state_mb": sum(t.numel() * t.element_size() for t in _leaves(shared)) / 2**20}
+    out: dict = {"ok": True, "state_mb": sum(t.numel() * t.element_size() for t in tensors_in(shared)) / 2**20}
     with tempfile.TemporaryDirectory() as d, distributed() as ctx:
         saves, blocks = [], []
         for i in range(5):
@@ -209,17 +210,6 @@ def checkpoint() -> dict:
     return out
 
 
-def _leaves(obj):
-    import torch
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaves(v)]
-    return []
-
-
 OOM_SCRIPT = ("import sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv[1])); "
               "sys.argv = ['ddp_kit.train'] + sys.argv[2:]; from ddp_kit.train import main; main()")
 
@@ -234,6 +224,14 @@ def oom_report() -> dict:
     return {"ok": res.get("rc") not in (0, None) and named, "rc": res.get("rc"), "lines": lines[:12]}
 
 
+def straggler() -> dict:
+    res = _sub([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(HERE / "gpu_straggler.py")], 240)
+    lines = [line for line in res.get("stdout", "").splitlines() if "straggler" in line]
+    return {"ok": res.get("ok", False) and any("rank 1" in line for line in lines), "lines": lines,
+            "stderr": None if lines else res.get("stderr")}
+
+
 def doctor() -> dict:
     res = _sub([sys.executable, "-m", "ddp_kit.doctor", "--json", "--memory", "--comm"], 120)
     try:
@@ -244,26 +242,29 @@ def doctor() -> dict:
             "stderr": None if report is not None else res.get("stderr")}
 
 
+ROWS = {  # a passed part's row in BENCHMARKS.md: (what, result)
+    "step_ratio": lambda r: (f"step time, resnet18 bf16 batch {r['batch']} (world 1)",
+                             f"raw {r['raw_ms']:.2f} ms, ddp_kit {r['api_ms']:.2f} ms: ratio {r['ratio']:.3f} "
+                             f"({r['ratio_min']:.3f}..{r['ratio_max']:.3f}); {r['api_img_s']:.0f} img/s"),
+    "host_syncs": lambda h: ("host syncs per steady-state step",
+                             f"max {h['steady_syncs_max']} over {h['steady_steps']} steps; at events: {h['syncs_at_events']}"),
+    "checkpoint": lambda c: (f"checkpoint blocking ({c['state_mb']:.0f} MiB)",
+                             f"async {c['async_block_ms']:.1f} ms vs torch.save {c['torch_save_ms']:.1f} ms (ratio "
+                             f"{c['ratio']:.3f}); model.pt loads without a GPU: {c['model_pt_loads_without_gpu']}"),
+    "straggler": lambda s: ("straggler on the GPU (rank 1 slowed)", f"named: {s['lines'][0]}"),
+}
+
+
 def table(results: dict) -> str:
     out = ["| check | result |", "|---|---|"]
-    r = results.get("step_ratio", {})
-    if r.get("ok"):
-        out.append(f"| step time, resnet18 bf16 batch {r['batch']} (world 1) | raw {r['raw_ms']:.2f} ms, ddp_kit "
-                   f"{r['api_ms']:.2f} ms: ratio {r['ratio']:.3f} ({r['ratio_min']:.3f}..{r['ratio_max']:.3f}); "
-                   f"{r['api_img_s']:.0f} img/s |")
-    h = results.get("host_syncs", {})
-    if h.get("ok"):
-        out.append(f"| host syncs per steady-state step | max {h['steady_syncs_max']} over {h['steady_steps']} steps; "
-                   f"at events: {h['syncs_at_events']} |")
-    c = results.get("checkpoint", {})
-    if c.get("ok"):
-        out.append(f"| checkpoint blocking ({c['state_mb']:.0f} MiB) | async {c['async_block_ms']:.1f} ms vs torch.save "
-                   f"{c['torch_save_ms']:.1f} ms (ratio {c['ratio']:.3f}); model.pt loads without a GPU: "
-                   f"{c['model_pt_loads_without_gpu']} |")
-    for name in ("pytest_cuda", "oom_report", "doctor"):
-        if name in results:
-            v = results[name]
-            out.append(f"| {name} | {'ok' if v.get('ok') else 'FAILED'} {v.get('summary', '')} |")
+    for name, v in results.items():
+        if not isinstance(v, dict):
+            continue
+        if v.get("ok") and name in ROWS:
+            what, result = ROWS[name](v)
+        else:
+            what, result = name, f"ok {v.get('summary', '')}" if v.get("ok") else f"FAILED {v.get('why', '')}"
+        out.append(f"| {what} | {result.strip()} |")
     return "\n".join(out)
 
 
@@ -274,7 +275,8 @@ def main(out: str = str(HERE / "gpu_results.json"), steps: int = 200, rounds: in
               "run it on a GPU machine (python -m ddp_kit.doctor says why CUDA is missing)")
         return
     parts = {"pytest_cuda": pytest_cuda, "step_ratio": lambda: step_ratio(steps, rounds),
-             "host_syncs": host_syncs, "checkpoint": checkpoint, "oom_report": oom_report, "doctor": doctor}
+             "host_syncs": host_syncs, "checkpoint": checkpoint, "straggler": straggler, "oom_report": oom_report,
+             "doctor": doctor}
     wanted = [p for p in (only.split(",") if only else parts) if p]
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in wanted:

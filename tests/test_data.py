@@ -105,3 +105,29 @@ def test_a_peek_does_not_consume_a_batch():
     again.load_state_dict(state)
     next(iter(again))  # the resumed epoch peeks too
     assert _epoch(again) == plain[4:]
+
+
+def test_device_resident_batches_equal_the_dataloaders_and_resume_alike():
+    """device_data indexes the TensorDataset where it lives (here the CPU; on a GPU the device): every
+    micro-batch equals the collated one, over epochs and after a mid-epoch resume on another world size."""
+    data = TensorDataset(torch.randn(100, 3), torch.arange(100))
+
+    def batches(resident, world=2, rank=1, state=None, n=30):
+        loader = TrainLoader(data, global_batch=8, world_size=world, rank=rank, grad_accum=2, seed=5,
+                             resident=torch.device("cpu") if resident else None)
+        if state:
+            loader.load_state_dict(state)
+        out = []
+        while len(out) < n:
+            out.extend(loader)
+        return out[:n], loader.state_dict()
+
+    plain, state = batches(False, n=7)
+    kept, state_r = batches(True, n=7)
+    assert state == state_r and isinstance(kept[0], list)
+    assert all(torch.equal(a, b) for p, k in zip(plain, kept) for a, b in zip(p, k))
+    plain, _ = batches(False, world=1, rank=0, state=state)
+    kept, _ = batches(True, world=1, rank=0, state=state)
+    assert all(torch.equal(a, b) for p, k in zip(plain, kept) for a, b in zip(p, k))
+    with pytest.raises(UserError, match="device_data keeps a TensorDataset"):
+        TrainLoader(list(range(10)), global_batch=2, world_size=1, rank=0, resident=torch.device("cpu"))

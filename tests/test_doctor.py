@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_cmd, torchrun
 from ddp_kit.doctor.checks import (FAIL, OK, SKIP, WARN, bf16, cuda_availability, diagnose, driver_version, exit_code,
-                                   gpu_arch, gpu_memory_taken, limits, local_rank_fits, master, nccl, shm, slurm_gpus,
+                                   gpu_arch, gpu_memory_taken, limits, local_rank_fits, master, mig, nccl, shm, slurm_gpus,
                                    versions, visible_devices)
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_mb": 81559.0, "memory_used_mb": 4.0, "capability": "9.0"}
@@ -60,10 +60,35 @@ def test_no_driver_explains_why_cuda_is_unavailable():
 
 @pytest.mark.parametrize("driver,status", [("470.82.01", FAIL), ("575.51.03", FAIL), ("580.65.06", OK)])
 def test_driver_too_old_for_cuda_runtime(driver, status):
-    r = driver_version(broken(**{"nvidia.driver": driver}))
+    r = driver_version(broken(**{"nvidia.driver": driver, "torch.cuda_available": status == OK}))
     assert r.status == status, r
     if status == FAIL:
         assert "too old" in r.message and "580" in r.fix
+
+
+def test_forward_compatible_driver_where_cuda_works_is_not_a_failure():
+    r = driver_version(broken(**{"nvidia.driver": "535.104.05"}))  # CUDA 13 runtime, CUDA works: cuda-compat
+    assert r.status == WARN and "forward compatibility" in r.message, r
+
+
+def test_mig_mode_is_named():
+    f = broken(**{"nvidia.gpus": [{**H100, "mig": True}] + [H100] * 7})
+    r = mig(f)
+    assert r.status == WARN and "GPU 0" in r.message and "NCCL" in r.message
+    assert mig(GOOD).status == OK
+
+
+def test_gpu_in_use_judged_for_visible_gpus_in_cuda_order():
+    smi = [{**H100, "uuid": f"u{i}"} for i in range(4)]
+    smi[2] = {**smi[2], "memory_used_mb": 40000.0}  # busy, but this process does not see it
+    seen = [{**GOOD["torch"]["gpus"][0], "uuid": u} for u in ("u3", "u1")]
+    f = broken(**{"nvidia.gpus": smi, "torch.gpus": seen, "torch.device_count": 2})
+    assert gpu_memory_taken(f).status == OK
+    f = broken(**{"nvidia.gpus": smi, "torch.gpus": [{**seen[0], "uuid": "u2"}], "torch.device_count": 1})
+    r = gpu_memory_taken(f)  # CUDA's GPU 0 is nvidia-smi's GPU 2
+    assert r.status == WARN and "GPU 0 (nvidia-smi GPU 2)" in r.message, r
+    f = broken(**{"nvidia.gpus": smi, "torch.gpus": [], "torch.cuda_available": False, "env": {"CUDA_VISIBLE_DEVICES": "0,1"}})
+    assert gpu_memory_taken(f).status == OK
 
 
 def test_driver_minor_version_compat_warns():

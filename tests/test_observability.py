@@ -60,3 +60,13 @@ def test_run_without_tensorboard_is_quiet(tmp_path):
     out = (res.stdout + res.stderr).replace(str(tmp_path), "RUN_DIR").lower()
     assert "tensorboard" not in out and "warning" not in out
     assert not (tmp_path / "tb").exists() and read_json(tmp_path / "summary.json")["steps"] == 22
+
+
+def test_peak_tflops_by_exact_name_and_dtype():
+    from ddp_kit.metrics import peak_for
+    assert peak_for("NVIDIA L4", "bf16", True) == 121.0 and peak_for("NVIDIA L40S", "bf16", True) == 362.0
+    assert peak_for("NVIDIA H100 80GB HBM3", "bf16", True) == 989.0  # SXM
+    assert peak_for("NVIDIA H100 PCIe", "bf16", True) == 756.0
+    assert peak_for("NVIDIA H200", "off", True) == 494.0 and peak_for("NVIDIA H200", "off", False) == 67.0
+    assert peak_for("Tesla V100-SXM2-16GB", "off", True) == 15.7  # no TF32 units
+    assert peak_for("NVIDIA GeForce RTX 4090", "bf16", True) is None

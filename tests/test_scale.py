@@ -95,10 +95,31 @@ def test_control_traffic_runs_on_the_side_group(tmp_path):
     """Every control-plane collective (agreement, preemption flag, NaN guard, log numbers, rank metrics,
     sync check, its divergence path) names the CPU side group, which under NCCL keeps it off the GPU."""
     from conftest import HELPERS
-    res = ok(torchrun([str(HELPERS / "side_group.py")], nproc=2, timeout=120))
-    lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 2 and all(r["side"] for r in lines), res.stdout
+    ok(torchrun([str(HELPERS / "side_group.py"), str(tmp_path)], nproc=2, timeout=120))
+    lines = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["side"] for r in lines), lines
     for r in lines:
         assert len(r["calls"]) >= 12, r["calls"]
         assert all(on_side for _, on_side in r["calls"]), r["calls"]
         assert "rank 1" in (r["diverged"] or "") and "weight" in r["diverged"], r
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_from_its_silent_heartbeat(tmp_path):
+    """SIGSTOP on rank 1 mid-run: its sockets stay open, so no collective fails, and the hang timeout is
+    far away. Its stale heartbeat names it within peer_timeout_s (what NCCL would otherwise leave
+    hanging until the collective timeout)."""
+    t0 = time.monotonic()
+    res = torchrun(["-m", "ddp_kit.train", "--epochs", "2", "--progress", "false", "--hang_timeout_s", "120",
+                    "--peer_timeout_s", "8", "--collective_timeout_s", "120", "--run_dir", str(tmp_path),
+                    "--inject", "freeze:rank=1:step=5"], nproc=2, timeout=180)
+    took = time.monotonic() - t0
+    assert res.returncode != 0
+    named = [line for line in res.stderr.splitlines() if "rank 1 stopped answering" in line]
+    assert named, res.stderr[-3000:]
+    # its last heartbeat came before it froze after step 5 (on a loaded machine the heartbeat thread may
+    # have been starved for a few steps before that)
+    last_step = int(named[0].split(" at step ")[1].split()[0])
+    assert 0 <= last_step <= 5, named[0]
+    assert any("stopping: rank 1" in line for line in res.stderr.splitlines()), res.stderr[-3000:]
+    assert took < 100, took  # peer timeout + torchrun's own stop of the frozen worker, far below 120 s

@@ -67,29 +67,31 @@ class Run:
     run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
 
     def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False, channels_last: bool = False,
-                grad_accum: int = 1, ddp: dict[str, Any] | None = None) -> Any:
+                grad_accum: int = 1, ddp: dict[str, Any] | None = None, device_data: bool = False) -> Any:
         """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
 
         Everything returned that has state_dict/load_state_dict (the model, the loader with its data
         position, an optimizer or scheduler passed along) is registered for checkpoints. With
         `grad_accum=k` a loader yields k micro-batches per optimizer step (the global batch split
         over ranks and micro-steps); use `run.accumulate` on the first k-1. `ddp`: DDP's own options
-        (e.g. {"bucket_cap_mb": 50, "static_graph": True}); gradient_as_bucket_view is on by default."""
-        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp) for o in objs]
+        (e.g. {"bucket_cap_mb": 50, "static_graph": True}); gradient_as_bucket_view is on by default.
+        `device_data`: a loader over an in-memory TensorDataset keeps it on the device and indexes
+        batches there (the same batches; no per-step collate or copy)."""
+        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data) for o in objs]
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._guard.track(o)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
-                     ddp: dict[str, Any] | None) -> Any:
+                     ddp: dict[str, Any] | None, device_data: bool) -> Any:
         if isinstance(obj, nn.Module):
             return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp)
         if isinstance(obj, DataLoader):
-            return self.train_loader(obj, grad_accum)
+            return self.train_loader(obj, grad_accum, device_data)
         return obj
 
-    def train_loader(self, loader: DataLoader, grad_accum: int = 1) -> TrainLoader:
+    def train_loader(self, loader: DataLoader, grad_accum: int = 1, device_data: bool = False) -> TrainLoader:
         """A sharded, epoch-aware copy of `loader` that samples as `loader` did, or a one-line refusal.
 
         SequentialSampler (shuffle=False): the shard in order. RandomSampler (shuffle=True):
@@ -110,8 +112,8 @@ class Run:
                   file=sys.stderr, flush=True)
         return TrainLoader(dataset, global_batch=batch, world_size=self.world_size, rank=self.rank,
                            grad_accum=grad_accum, shuffle=shuffle, seed=seed, num_workers=loader.num_workers,
-                           pin_memory=self.device.type == "cuda", collate_fn=loader.collate_fn,
-                           worker_init_fn=loader.worker_init_fn)
+                           pin_memory=self.device.type == "cuda" and not device_data, collate_fn=loader.collate_fn,
+                           worker_init_fn=loader.worker_init_fn, resident=self.device if device_data else None)
 
     def eval_loader(self, loader: DataLoader) -> DataLoader:
         """This rank's exact share of `loader`'s dataset: every sample once over all ranks, no padding.
@@ -353,7 +355,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
 
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
     checkpoints. `options` are guard.Policy's fields: resume, ckpt_every, ckpt_every_s, keep_last,
-    async_ckpt, hang_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
+    async_ckpt, hang_timeout_s, peer_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
     sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin. `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
     goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the

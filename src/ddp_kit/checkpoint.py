@@ -57,13 +57,13 @@ class HostBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_in(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_in(v)]
     return []
 
 
@@ -81,7 +81,7 @@ def snapshot(obj: Any, reuse: Any = None, host: HostBuffer | None = None) -> tup
     snapshot of the same structure, whose CPU buffers are overwritten in place (already-touched
     memory copies several times faster than fresh allocations).
     """
-    gpu = [t for t in _tensors(obj) if t.device.type == "cuda"]
+    gpu = [t for t in tensors_in(obj) if t.device.type == "cuda"]
     views: list[torch.Tensor] = []
     if gpu:
         need = sum(_aligned(t) for t in gpu)
@@ -355,13 +355,7 @@ def nonfinite_tensors(state: dict) -> list[str]:
 
 
 def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for t in tensors_in(obj))
 
 
 def _td(seconds: float):

@@ -58,6 +58,7 @@ class TrainConfig:
     cudnn_benchmark: bool = _f(True, "CUDA: let cuDNN time its algorithms on the first batches of each shape and keep the fastest.")
     deterministic: bool = _f(False, "Deterministic kernels (cuDNN deterministic, torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG); bit-identical resume on a GPU needs it.")
     bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MiB: larger buckets, fewer all-reduces.")
+    device_data: bool = _f(False, "Keep an in-memory TensorDataset (digits, synthetic, your own) on the device: the same batches, indexed there, no per-step collate or copy (num_workers 0).")
     static_graph: bool = _f(False, "DDP static_graph: the set of used parameters never changes between steps (enables more overlap).")
     synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
@@ -70,6 +71,7 @@ class TrainConfig:
     sync_fix: str = _f("error", "On divergence: error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("error", "broadcast"))
     collective_timeout_s: float = _f(300.0, "Timeout of every collective after the first step (set behind a barrier).")
     hang_timeout_s: float = _f(180.0, "No progress on a rank for this long: dump stacks to run_dir/hang, report the lagging rank, exit (0: off).")
+    peer_timeout_s: float = _f(30.0, "A rank whose heartbeat is silent this long (process killed or frozen) is named and every rank exits (0: off; needs the watchdog).")
     preempt_check_every: int = _f(10, "Steps between the ranks' agreement on a preemption signal (SIGUSR2 under SLURM, SIGTERM): all stop after the same step.")
     rank_metrics: bool = _f(True, "Gather every rank's step-time split, samples/s and peak memory into metrics.jsonl at each log event.")
     rank_records_max: int = _f(64, "Up to this world size each metrics record keeps every rank's entry; above it, the median, max and argmax rank per field.")
@@ -90,7 +92,7 @@ class TrainConfig:
 
 NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
                         "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
-                        "collective_timeout_s", "hang_timeout_s", "preempt_check_every", "rank_metrics", "rank_records_max",
+                        "collective_timeout_s", "hang_timeout_s", "peer_timeout_s", "preempt_check_every", "rank_metrics", "rank_records_max",
                         "straggler_margin"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -107,7 +109,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
 RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
                                     "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic",
-                                    "bucket_cap_mb", "static_graph"})
+                                    "bucket_cap_mb", "static_graph", "device_data"})
 # These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
 _UNREPORTED = frozenset({"resume", "inject"})
 

@@ -24,7 +24,8 @@ import threading
 from typing import Callable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler,
+                              default_collate)
 
 from .errors import UserError
 
@@ -181,12 +182,26 @@ class TrainLoader:
     augmentations of a resumed run repeat those of an uninterrupted one (with 0, restoring the
     main RNG does that). `worker_init_fn` runs in each worker after ddp_kit's own (which leaves
     stop signals to the rank).
+
+    `resident` (a device): a TensorDataset is copied there once, and each micro-batch is taken by
+    indexing it there (the same samples, in the same order, as the DataLoader would collate), with no
+    per-step collate, pin or host-to-device copy; the epoch's indices cross once per epoch.
     """
 
     def __init__(self, dataset: Dataset, *, global_batch: int, world_size: int, rank: int,
                  grad_accum: int = 1, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
-                 pin_memory: bool = False, collate_fn=None, worker_init_fn: Callable[[int], None] | None = None):
+                 pin_memory: bool = False, collate_fn=None, worker_init_fn: Callable[[int], None] | None = None,
+                 resident: torch.device | None = None):
         size = check_sized(dataset)
+        self._tensors: list[torch.Tensor] | None = None
+        if resident is not None:
+            if not isinstance(dataset, torch.utils.data.TensorDataset) or num_workers or collate_fn not in (None, default_collate):
+                raise UserError(f"device_data keeps a TensorDataset on the device; this loader has a "
+                                f"{type(dataset).__name__}{' with workers' if num_workers else ''}"
+                                f"{' and its own collate_fn' if collate_fn not in (None, default_collate) else ''}",
+                                "use device_data only for an in-memory TensorDataset with num_workers=0, or drop it")
+            self._tensors = [t.to(resident) for t in dataset.tensors]
+        self._epoch_index: tuple[torch.Tensor, ...] = ()
         self.micro_batch = per_rank_batch(global_batch, world_size, grad_accum)
         self.global_batch = global_batch
         self.world_size = world_size
@@ -235,7 +250,7 @@ class TrainLoader:
         if left == 0:
             self.epoch, self.position = self.epoch + 1, 0
             return
-        batches = iter(self._loader)
+        batches = iter(self._loader) if self._tensors is None else self._resident_batches()
         for i in range(left):
             if i:
                 self.commit()
@@ -252,6 +267,20 @@ class TrainLoader:
         self.commit()
         if self.on_end is not None:
             self.on_end()
+
+    def _resident_batches(self) -> Iterator[list[torch.Tensor]]:
+        """The rest of this epoch's micro-batches, indexed on the device; a list, as default_collate
+        makes of a TensorDataset's tuples."""
+        order = list(self._loader.batch_sampler)
+        if not order:
+            return iter(())
+        host = torch.tensor(order, dtype=torch.long)
+        device = self._tensors[0].device
+        if device.type == "cuda":
+            host = host.pin_memory()
+        # The pinned source stays referenced until the next epoch: the copy may still be in flight.
+        self._epoch_index = (host, host.to(device, non_blocking=True))
+        return ([t.index_select(0, row) for t in self._tensors] for row in self._epoch_index[1])
 
     def commit(self) -> None:
         """Count the batch last handed out as consumed. Called when the next one is asked for, when

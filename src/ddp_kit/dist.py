@@ -74,9 +74,15 @@ class DistContext:
 
 
 def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
-    """cuda:<local_rank> when CUDA is there (or asked for), else cpu."""
+    """cuda:<local_rank> when CUDA is there (or asked for), else cpu. "cuda:<i>" puts every rank of the
+    node on GPU i (with backend gloo: NCCL refuses two ranks on one GPU), e.g. to test on one GPU."""
     if device == "cpu":
         return torch.device("cpu")
+    if device.startswith("cuda:") and device[5:].isdigit():
+        if not torch.cuda.is_available() or int(device[5:]) >= torch.cuda.device_count():
+            raise UserError(f"device={device} was asked for but only {torch.cuda.device_count()} GPU(s) are visible",
+                            "use --device auto, or run `python -m ddp_kit.doctor` to see why", local=True)
+        return torch.device(device)
     if device in ("auto", "cuda"):
         if torch.cuda.is_available():
             count = torch.cuda.device_count()

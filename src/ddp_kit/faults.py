@@ -1,7 +1,7 @@
 """Test hooks: inject a fault at a given rank and step, to prove recovery and diagnosis with real processes.
 
 Spec (config key `inject`), comma-separated: `KIND:rank=R:step=S[:ms=M]`, e.g. `kill:rank=1:step=8`.
-Kinds: kill (SIGKILL itself), raise, hang (sleep forever), extra_collective (one all_reduce the
+Kinds: kill (SIGKILL itself), raise, hang (sleep forever), freeze (SIGSTOP itself), extra_collective (one all_reduce the
 others never join), perturb (add noise to its parameters), slow (sleep M ms every step from S on),
 config (that rank runs with another seed, as if it had loaded a different config file), nan (that
 rank's loss is NaN at step S), nodata (that rank's data_root is missing, as if on a node without the files).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
-KINDS = ("kill", "raise", "hang", "extra_collective", "perturb", "slow", "config", "nan", "nodata")
+KINDS = ("kill", "raise", "hang", "freeze", "extra_collective", "perturb", "slow", "config", "nan", "nodata")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class Injector:
             elif f.kind == "hang":
                 while True:
                     time.sleep(3600)
+            elif f.kind == "freeze":  # the whole process stops, watchdog thread included (a dead peer
+                os.kill(os.getpid(), signal.SIGSTOP)  # whose socket stays open: no collective fails)
             elif f.kind == "extra_collective":
                 import torch
                 import torch.distributed as tdist

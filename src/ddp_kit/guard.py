@@ -46,7 +46,7 @@ from .dist import (DistContext, all_reduce_sum, all_true, barrier, broadcast_obj
                    set_collective_timeout)
 from .errors import UserError
 from .failure import handle
-from .metrics import StepTimer, StragglerWatch, gather_ranks, summarize_ranks
+from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
 from .numerics import NonFiniteLoss
 from .outputs import RunWriter
 from .preempt import PreemptFlag, agree_stop, exit_code, requeue
@@ -70,6 +70,7 @@ class Policy:
     keep_last: int = 3  # checkpoints kept (0: all)
     async_ckpt: bool = False  # write checkpoints in a background thread
     hang_timeout_s: float = 180.0  # no progress on a rank for this long: report the lagging rank, exit 3 (0: off)
+    peer_timeout_s: float = 30.0  # a rank's heartbeat silent this long: it is named as gone, every rank exits (0: off)
     collective_timeout_s: float = 300.0  # every collective's timeout after step 1
     preempt_check_every: int = 10  # steps between the ranks' agreement on a stop signal
     sync_check_every: int = 100  # steps between cross-rank checksum comparisons (0: off)
@@ -115,7 +116,8 @@ class Guard:
         self.explicit = False  # the loop calls run.step() itself: optimizer hooks count nothing
         self.stopped = False  # a stop signal was acted on: no final checkpoint at close
         self.failed = False  # this process ends on an error: no final checkpoint at close
-        self.timer = StepTimer()
+        gpu_spans = ctx.device.type == "cuda" and policy.rank_metrics and policy.log_every > 0
+        self.timer = StepTimer(gpu=GpuSpans() if gpu_spans else None)
         self.stragglers = StragglerWatch(policy.straggler_margin)
         self.nonfinite = NonFiniteLoss()
         self._window_loss: torch.Tensor | None = None
@@ -128,7 +130,8 @@ class Guard:
         self._writer: RunWriter | None = None
         self._crash_file = None
         self.watchdog = Watchdog(ctx.store_client() if policy.hang_timeout_s > 0 and ctx.world_size > 1 else None,
-                                 ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir)
+                                 ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
+                                 peer_timeout_s=policy.peer_timeout_s)
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ class Job:
 def build(cfg: TrainConfig, run: Run) -> Job:
     check_amp(cfg.amp, run.device)
     torch.manual_seed(cfg.seed + run.rank)  # per-rank stream for augmentation; weights use their own seed
-    workers = loader_workers(run.ctx.env, run.device) if cfg.num_workers < 0 else cfg.num_workers
+    auto = 0 if cfg.device_data else loader_workers(run.ctx.env, run.device)
+    workers = auto if cfg.num_workers < 0 else cfg.num_workers
     task = build_task(cfg.model, cfg.model_args, cfg.dataset, cfg.dataset_args, cfg.loss, seed=cfg.seed,
                       data_root=cfg.data_root, download=cfg.download, synthetic_size=cfg.synthetic_size)
     model, train_loader = run.prepare(task.model.to(run.device),
@@ -49,7 +50,8 @@ def build(cfg: TrainConfig, run: Run) -> Job:
                                                  num_workers=workers, drop_last=True),
                                       grad_accum=cfg.grad_accum, sync_bn=cfg.sync_bn, compile=cfg.compile,
                                       channels_last=cfg.channels_last,
-                                      ddp={"bucket_cap_mb": cfg.bucket_cap_mb, "static_graph": cfg.static_graph})
+                                      ddp={"bucket_cap_mb": cfg.bucket_cap_mb, "static_graph": cfg.static_graph},
+                                      device_data=cfg.device_data)
     test_loader = run.eval_loader(DataLoader(task.test, batch_size=max(train_loader.micro_batch, 256),
                                              num_workers=workers))
     # Fused on CUDA: one kernel for the whole update, and GradScaler's inf check stays on the device
@@ -71,7 +73,7 @@ def build(cfg: TrainConfig, run: Run) -> Job:
         x0 = sample[0] if isinstance(sample, (list, tuple)) else None
         if isinstance(x0, torch.Tensor):
             job.flops_per_sample = model_flops_per_sample(run.unwrap(model), x0)
-        job.peak_tflops = peak_tflops(run.device)
+        job.peak_tflops = peak_tflops(run.device, cfg.amp, cfg.tf32)
     return job
 
 

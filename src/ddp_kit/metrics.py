@@ -10,10 +10,12 @@ compute only (its time mixes with the all-reduce wait).
 from __future__ import annotations
 
 import os
+import re
 import resource
 import socket
 import statistics
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -24,11 +26,47 @@ PARTS = ("data", "forward", "backward", "optimizer", "comm", "other")
 
 
 @dataclass
+class GpuSpans:
+    """The GPU's own time for forward and for the optimizer, by CUDA events recorded at the step's
+    marks (a few microseconds each, no wait) and read at the window's end, where the log event's
+    reduction has drained the GPU anyway. On a GPU the host only queues kernels, so host times look
+    alike on every rank and a slow or throttled GPU's lag is booked as waiting; these spans are
+    local (backward is left out: it ends waiting for DDP's all-reduce, i.e. for the other ranks).
+    GPU-only."""
+
+    spans: dict[str, list] = field(default_factory=lambda: {"forward": [], "optimizer": []})
+    _open: dict[str, Any] = field(default_factory=dict)
+
+    def mark(self, part: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        opens, closes = {"data": "forward", "backward": "optimizer"}, {"forward": "forward", "optimizer": "optimizer"}
+        if part in closes and closes[part] in self._open:
+            pairs = self.spans[closes[part]]
+            if len(pairs) >= 10_000:  # never read (no log events): keep the event count bounded
+                pairs.clear()
+            pairs.append((self._open.pop(closes[part]), event))
+        if part in opens:
+            self._open[opens[part]] = event
+
+    def window(self, steps: int) -> dict[str, float]:
+        out = {}
+        for name, pairs in self.spans.items():
+            for _, end in pairs:
+                end.synchronize()  # already complete after the log event's reduction: no wait
+            out[f"gpu_{name}_s"] = sum(start.elapsed_time(end) for start, end in pairs) / 1e3 / max(steps, 1)
+            pairs.clear()
+        return out
+
+
+@dataclass
 class StepTimer:
-    """Sums of seconds per part over the current log window; a few perf_counter calls per step."""
+    """Sums of seconds per part over the current log window; a few perf_counter calls per step
+    (and, on a GPU, `gpu`'s CUDA events)."""
 
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     steps: int = 0
+    gpu: GpuSpans | None = None
     _t: float = field(default_factory=time.perf_counter)
 
     def mark(self, part: str) -> None:
@@ -36,6 +74,8 @@ class StepTimer:
         now = time.perf_counter()
         self.sums[part] += now - self._t
         self._t = now
+        if self.gpu is not None:
+            self.gpu.mark(part)
 
     def window(self) -> dict[str, float]:
         """Mean seconds per step for each part since the last call, then start a new window."""
@@ -44,6 +84,11 @@ class StepTimer:
         out["step_s"] = sum(self.sums.values()) / n
         # backward holds DDP's all-reduce wait, comm the loop's own collectives: both absorb other ranks' lag
         out["local_s"] = out["step_s"] - out["backward_s"] - out["comm_s"]
+        if self.gpu is not None:
+            out.update(self.gpu.window(n))
+            # a slow GPU shows in its own forward and optimizer time, not in the host's
+            gpu_local = out["data_s"] + out["other_s"] + out["gpu_forward_s"] + out["gpu_optimizer_s"]
+            out["local_s"] = max(out["local_s"], gpu_local)
         self.sums = dict.fromkeys(PARTS, 0.0)
         self.steps = 0
         return out
@@ -97,8 +142,10 @@ class StragglerWatch:
                 self.warned.add(r["rank"])
                 lines.append(f"straggler: rank {r['rank']} on {r['host']} spends {r['local_s'] * 1e3:.1f} ms/step in its own "
                              f"work (data {r['data_s'] * 1e3:.1f}, forward {r['forward_s'] * 1e3:.1f}, optimizer "
-                             f"{r['optimizer_s'] * 1e3:.1f}, other {r['other_s'] * 1e3:.1f}) against a median of "
-                             f"{med * 1e3:.1f} ms: every rank waits for it")
+                             f"{r['optimizer_s'] * 1e3:.1f}, other {r['other_s'] * 1e3:.1f}"
+                             + (f"; GPU forward {r['gpu_forward_s'] * 1e3:.1f}, GPU optimizer "
+                                f"{r['gpu_optimizer_s'] * 1e3:.1f}" if "gpu_forward_s" in r else "")
+                             + f") against a median of {med * 1e3:.1f} ms: every rank waits for it")
         return lines
 
 
@@ -118,12 +165,36 @@ def model_flops_per_sample(model: torch.nn.Module, sample: torch.Tensor) -> floa
         model.train(was_training)
 
 
-# Dense bf16 peak TFLOP/s of common training GPUs, for an MFU-style figure (None: unknown GPU).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0, "L4": 121.0}
+# Dense peak TFLOP/s by the math the run uses (bf16/fp16 tensor cores, tf32, plain fp32), from the
+# vendors' data sheets, for an MFU-style figure. Matched in order against torch's device name by
+# whole words, so "L4" is not "L40S" and the H100's PCIe and NVL cards are not its SXM module
+# ("NVIDIA H100 80GB HBM3"). None: an unknown GPU, no MFU.
+PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("H200",), {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    (("H100", "PCIe"), {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    (("H100", "NVL"), {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    (("H100",), {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    (("A100",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("L40S",), {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    (("L4",), {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (("A10",), {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (("V100",), {"bf16": 125.0, "fp32": 15.7}),  # fp16 tensor cores; no bf16 or tf32 units
+)
 
 
-def peak_tflops(device: torch.device) -> float | None:
+def peak_tflops(device: torch.device, amp: str = "off", tf32: bool | None = None) -> float | None:
+    """The peak for the math this run does: amp bf16/fp16 -> 16-bit tensor cores; else tf32 when
+    TF32 is on (torch.backends.cuda.matmul.allow_tf32 unless given), else fp32."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return peak_for(torch.cuda.get_device_name(device), amp,
+                    torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32)
+
+
+def peak_for(name: str, amp: str, tf32: bool) -> float | None:
+    words = set(re.split(r"[\s\-_]+", name))
+    for pattern, peaks in PEAK_TFLOPS:
+        if all(p in words for p in pattern):
+            kind = "bf16" if amp in ("bf16", "fp16") else "tf32" if tf32 and "tf32" in peaks else "fp32"
+            return peaks[kind]
+    return None

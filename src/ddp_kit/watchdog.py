@@ -6,6 +6,10 @@ publishes them to the rendezvous store once a second. The store lives outside th
 
 - No progress for `hang_timeout` s: every rank dumps its Python stacks to run_dir/hang/rank<R>.txt;
   rank 0 prints one report naming the lagging rank(s) and where each rank waits; all exit 3.
+- A rank whose heartbeat stops (its process killed, or frozen) for `peer_timeout` s is named by
+  the rank before it in a ring (one extra store read per rank per poll): the failure is posted
+  for fail-fast to end every rank. Under NCCL nothing else would notice before the collective
+  timeout, since a collective with a dead peer just waits.
 - Until step 1 has finished (data preparation, torch.compile, cuDNN autotuning) every phase counts
   as startup and gets the init timeout instead.
 - A rank that raises is fail-fast's business (failfast.py), which runs even with the watchdog off;
@@ -23,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from .env import poll_period
+from .failfast import post
 from .progress import PHASES, SLOW_PHASES, Progress
 
 EXIT_HANG = 3
@@ -48,12 +53,16 @@ class Watchdog:
     """One daemon thread per rank. `start()` after the process group exists; `stop()` before it goes."""
 
     def __init__(self, store, rank: int, world_size: int, progress: Progress, hang_timeout_s: float,
-                 slow_timeout_s: float, dump_dir: str | Path, poll_s: float = 1.0, host: str = ""):
+                 slow_timeout_s: float, dump_dir: str | Path, poll_s: float = 1.0, host: str = "",
+                 peer_timeout_s: float = 30.0):
         self.rank, self.world_size, self.progress = rank, world_size, progress
-        # Two store operations per poll (publish, check the abort flag): the period grows past
-        # 1,000 ranks so the store's load stays bounded (env.poll_period).
+        # Three store operations per poll (publish, check the abort flag, read the next rank's
+        # heartbeat): the period grows past ~700 ranks so the store's load stays bounded (env.poll_period).
         self.hang_timeout_s, self.slow_timeout_s = hang_timeout_s, slow_timeout_s
-        self.poll_s = poll_period(world_size, poll_s, 2)
+        self.poll_s = poll_period(world_size, poll_s, 3)
+        self.peer_timeout_s = max(peer_timeout_s, 3 * self.poll_s) if peer_timeout_s > 0 else 0.0
+        self._peer = (rank + 1) % world_size
+        self._peer_seen: tuple[str, float] | None = None  # (its last heartbeat, when it changed, our clock)
         self.dump_dir = Path(dump_dir)
         self.host = host or os.uname().nodename
         self._stop = threading.Event()
@@ -71,6 +80,12 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+            try:  # a rank that leaves on purpose is not a dead peer
+                self.store.set(f"ddp_kit/progress/{self.rank}", json.dumps(
+                    {"left": True, "step": self.progress.step, "phase": "finish", "stalled_s": 0.0, "host": self.host,
+                     "where": "left the job", "waiting": True, "t": time.time()}))
+            except Exception:
+                pass
 
     # ---- the thread ------------------------------------------------------------------------------
 
@@ -97,6 +112,28 @@ class Watchdog:
         limit = self.slow_timeout_s if (p.phase in SLOW_PHASES or not p.warm) else self.hang_timeout_s
         if stalled_for > limit:
             self._on_hang(stalled_for)
+        if self.peer_timeout_s and p.warm:  # before step 1 is over, startup's own timeout applies
+            self._watch_peer()
+
+    def _watch_peer(self) -> None:
+        """The next rank's heartbeat ("t" changes at every one of its polls) must keep changing."""
+        key = f"ddp_kit/progress/{self._peer}"
+        if not self.store.check([key]):
+            return  # not started yet: startup has its own timeout
+        beat, now = self.store.get(key).decode(), time.monotonic()
+        if self._peer_seen is None or beat != self._peer_seen[0]:
+            self._peer_seen = (beat, now)
+            return
+        silent = now - self._peer_seen[1]
+        last = json.loads(beat)
+        if silent < self.peer_timeout_s or last.get("left"):
+            return
+        self._peer_seen = (beat, now)  # said once
+        err = RuntimeError(f"rank {self._peer} stopped answering: no heartbeat for {silent:.0f}s (its process was killed "
+                           f"or is frozen), last seen on {last.get('host')} at step {last.get('step')} in "
+                           f"{last.get('phase')}, at {last.get('where')}")
+        print(f"ddp_kit: [rank {self.rank}] {err}", file=sys.stderr, flush=True)
+        post(self.store, self._peer, int(last.get("step") or 0), str(last.get("phase")), err)
 
     def _dump(self) -> Path:
         self.dump_dir.mkdir(parents=True, exist_ok=True)

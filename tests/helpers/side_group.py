@@ -3,8 +3,11 @@
 On a GPU the side group is what keeps control traffic off the device (the default group is NCCL
 there; NCCL cannot exist on this machine, so the side group is forced on beside a gloo default
 group). Every torch.distributed call the control-plane helpers make is recorded with its group;
-each rank prints one JSON line: the calls, and whether each went to the side group."""
+each rank writes <out_dir>/rank<R>.json: the calls, and whether each went to the side group (a file,
+not stdout: two ranks' long lines on one pipe can interleave)."""
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -57,5 +60,6 @@ with distributed(side_group=True) as ctx:
         diverged = None
     except UserError as err:
         diverged = err.message
-    print(json.dumps({"rank": ctx.rank, "side": ctx.control_group is not None, "diverged": diverged,
-                      "calls": [[n, g is not None and g is ctx.control_group] for n, g in calls]}), flush=True)
+    Path(sys.argv[1], f"rank{ctx.rank}.json").write_text(json.dumps(
+        {"rank": ctx.rank, "side": ctx.control_group is not None, "diverged": diverged,
+         "calls": [[n, g is not None and g is ctx.control_group] for n, g in calls]}))

@@ -11,7 +11,7 @@ def findings_for_error(err: BaseException, amp: str | None = None) -> list[str]:
     from .facts import gather
 
     try:
-        findings = diagnose(gather(), amp)
+        findings = diagnose(gather(probe_gpus=False), amp)  # after a CUDA error: no new CUDA calls
     except Exception:  # the doctor must never hide the original error
         return []
     return [f"doctor: {f.status}: {f.name}: {f.message} (fix: {f.fix})" for f in findings if f.status in (FAIL, WARN) and f.fix]

@@ -34,7 +34,7 @@ def _summary(facts: dict) -> list[str]:
 
 
 def main(json_out: bool = False, comm: bool = False, memory: bool = False, amp: str | None = None,
-         run_dir: str = ".", comm_max_mb: float = 16, **kwargs) -> None:
+         run_dir: str = ".", comm_max_mb: float | None = None, **kwargs) -> None:
     if "json" in kwargs:  # `--json` is the spelling users type
         json_out = bool(kwargs.pop("json"))
     if kwargs:
@@ -63,7 +63,7 @@ def main(json_out: bool = False, comm: bool = False, memory: bool = False, amp: 
     sys.exit(exit_code(findings + active.get("findings", [])))
 
 
-def _active(comm: bool, memory: bool, comm_max_mb: float) -> dict:
+def _active(comm: bool, memory: bool, comm_max_mb: float | None) -> dict:
     from ..dist import all_gather_object, distributed
     from ..errors import UserError
     from .active import allocatable_memory, comm_sweep

@@ -17,32 +17,49 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float
     return alg, alg * (2 * (world - 1) / world if world > 1 else 1.0)
 
 
-def comm_sweep(ctx: DistContext, max_mb: float = 16, iters: int = 10) -> dict[str, Any]:
-    """Time all_reduce over sizes 4 KiB..max_mb, and a fixed local matmul per rank to spot a slow rank."""
+def comm_sweep(ctx: DistContext, max_mb: float | None = None, iters: int = 10, min_s: float = 0.2) -> dict[str, Any]:
+    """Time all_reduce over sizes 4 KiB..max_mb (16 MiB on CPU, 256 MiB under NCCL, where small sizes
+    say nothing about bandwidth), and a fixed local matmul per rank to spot a slow rank.
+
+    Each size is warmed up (NCCL sets up its channels and buffers on first use), then timed as a
+    batch of back-to-back calls with one synchronize at the end (a sync per call would measure the
+    host's round trip), the batch growing until it lasts `min_s`; the median of 3 batches counts."""
     dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    max_mb = max_mb if max_mb is not None else (256 if dev.type == "cuda" else 16)
     rows = []
     size = 4096
     while size <= max_mb * 2**20:
         t = torch.ones(size // 4, dtype=torch.float32, device=dev)
-        for _ in range(2):
+        for _ in range(5):
             tdist.all_reduce(t)
         _sync(dev)
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            tdist.all_reduce(t)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
+        n = iters
+        while True:
+            times = []
+            for _ in range(3):
+                tdist.barrier()  # every rank starts the batch together
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    tdist.all_reduce(t)
+                _sync(dev)
+                times.append((time.perf_counter() - t0) / n)
+            # every rank takes the same decision: the slowest rank's figure decides
+            longest = torch.tensor([min(times) * n], dtype=torch.float64, device=dev)
+            tdist.all_reduce(longest, op=tdist.ReduceOp.MAX)
+            if float(longest) >= min_s or n >= 10_000:
+                break
+            n *= 4
         med = statistics.median(times)
         alg, bus = bus_bandwidth(size, med, ctx.world_size)
         rows.append({"bytes": size, "latency_us": med * 1e6, "algbw_gbps": alg, "busbw_gbps": bus})
         size *= 4
     # Each rank times the same local work: in a collective the fast ranks wait for the slow one,
     # so collective timings hide who is slow; local work does not.
-    a = torch.randn(512, 512, device=dev)
+    side = 4096 if dev.type == "cuda" else 512  # long enough to time on either
+    a = torch.randn(side, side, device=dev) / side ** 0.5
     _sync(dev)
     t0 = time.perf_counter()
-    for _ in range(20):
+    for _ in range(50 if dev.type == "cuda" else 20):
         a = torch.tanh(a @ a)
     _sync(dev)
     local = time.perf_counter() - t0

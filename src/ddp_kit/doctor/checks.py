@@ -87,6 +87,10 @@ def driver_version(f: dict) -> Finding:
         return Finding(name, SKIP, "no CUDA build of torch or no NVIDIA driver")
     major = _ver(cuda)[0]
     floor = MAJOR_FLOOR.get(major)
+    if floor and _ver(driver) < _ver(floor) and f["torch"].get("cuda_available"):
+        return Finding(name, WARN, f"driver {driver} is older than CUDA {cuda}'s floor {floor}, yet CUDA works here: "
+                       f"forward compatibility (the cuda-compat package) is in use; it holds only on data-center GPUs "
+                       f"and for this exact pairing", f"keep cuda-compat in step with torch's CUDA, or update the driver to >= {floor}")
     if floor and _ver(driver) < _ver(floor):
         return Finding(name, FAIL, f"driver {driver} is too old for torch's CUDA {cuda} runtime (needs >= {floor}; "
                        f"the driver supports CUDA {f['nvidia'].get('driver_cuda') or '?'})",
@@ -224,17 +228,50 @@ def master(f: dict) -> Finding:
     return Finding(name, OK, f"{m['addr']}:{m.get('port')} resolves" + (" and is free" if m.get("port_in_use") is False else ""))
 
 
+def _visible_smi_gpus(f: dict) -> list[tuple[int, int, dict]]:
+    """(CUDA index, nvidia-smi index, nvidia-smi's entry) for each GPU this process may use. Matched by
+    UUID when torch could read them (CUDA's order differs from nvidia-smi's PCI order unless
+    CUDA_DEVICE_ORDER=PCI_BUS_ID); else by CUDA_VISIBLE_DEVICES (UUIDs, or indices taken in PCI order)."""
+    smi = f["nvidia"]["gpus"]
+    by_uuid = {g.get("uuid"): (i, g) for i, g in enumerate(smi) if g.get("uuid")}
+    torch_uuids = [g.get("uuid") for g in f["torch"].get("gpus") or []]
+    if torch_uuids and all(u in by_uuid for u in torch_uuids):
+        return [(c, *by_uuid[u]) for c, u in enumerate(torch_uuids)]
+    visible = f["env"].get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [(i, i, g) for i, g in enumerate(smi)]
+    out = []
+    for c, item in enumerate(v.strip() for v in visible.split(",") if v.strip()):
+        if item.isdigit() and int(item) < len(smi):
+            out.append((c, int(item), smi[int(item)]))
+        elif item.lower().startswith("gpu-") and item.lower().removeprefix("gpu-") in by_uuid:
+            out.append((c, *by_uuid[item.lower().removeprefix("gpu-")]))
+    return out
+
+
 def gpu_memory_taken(f: dict) -> Finding:
     name = "GPU memory in use"
-    gpus = f["nvidia"]["gpus"]
-    if not gpus:
+    if not f["nvidia"]["gpus"]:
         return Finding(name, SKIP, "no GPU")
-    busy = [(i, g) for i, g in enumerate(gpus) if g.get("memory_total_mb") and (g.get("memory_used_mb") or 0) > 0.1 * g["memory_total_mb"]]
+    busy = [(c, s, g) for c, s, g in _visible_smi_gpus(f)
+            if g.get("memory_total_mb") and (g.get("memory_used_mb") or 0) > 0.1 * g["memory_total_mb"]]
     if busy:
-        i, g = busy[0]
-        return Finding(name, WARN, f"GPU {i} already has {g['memory_used_mb']:.0f} of {g['memory_total_mb']:.0f} MiB in use by other processes",
+        c, s, g = busy[0]
+        return Finding(name, WARN, f"GPU {c} (nvidia-smi GPU {s}) already has {g['memory_used_mb']:.0f} of "
+                       f"{g['memory_total_mb']:.0f} MiB in use by other processes",
                        "stop the other processes (nvidia-smi shows them) or use another GPU")
-    return Finding(name, OK, "GPUs are free")
+    return Finding(name, OK, "the visible GPUs are free")
+
+
+def mig(f: dict) -> Finding:
+    name = "MIG"
+    on = [(c, s) for c, s, g in _visible_smi_gpus(f) if g.get("mig")]
+    if not on:
+        return Finding(name, OK if f["nvidia"]["gpus"] else SKIP, "no GPU in MIG mode" if f["nvidia"]["gpus"] else "no GPU")
+    c, s = on[0]
+    return Finding(name, WARN, f"GPU {c} (nvidia-smi GPU {s}) is in MIG mode: a process sees one MIG instance, and NCCL "
+                   f"cannot run collectives between instances", "train on one MIG instance per job (world size 1), "
+                   "or ask for whole GPUs (MIG off: nvidia-smi -mig 0, as root, GPU idle)")
 
 
 def versions(f: dict) -> Finding:
@@ -277,7 +314,7 @@ def layout_ok(f: dict) -> Finding:
 
 
 CHECKS: tuple[Callable[..., Finding], ...] = (cuda_availability, driver_version, visible_devices, gpu_arch, nccl,
-                                              local_rank_fits, slurm_gpus, shm, master, gpu_memory_taken, versions,
+                                              local_rank_fits, slurm_gpus, shm, master, gpu_memory_taken, mig, versions,
                                               limits, layout_ok)
 
 

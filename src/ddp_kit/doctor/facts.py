@@ -40,15 +40,21 @@ def nvidia_smi() -> dict[str, Any]:
     if head:
         m = re.search(r"CUDA Version:\s*([\d.]+)", head)
         out["driver_cuda"] = m.group(1) if m else None
-    q = _run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version,compute_cap",
+    q = _run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version,compute_cap,uuid,mig.mode.current",
               "--format=csv,noheader,nounits"])
     for line in (q or "").strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) >= 5:
             out["driver"] = parts[3]
             out["gpus"].append({"name": parts[0], "memory_total_mb": _num(parts[1]), "memory_used_mb": _num(parts[2]),
-                                "capability": parts[4]})
+                                "capability": parts[4], "uuid": uuid_key(parts[5]) if len(parts) > 5 else None,
+                                "mig": len(parts) > 6 and parts[6].lower() == "enabled"})
     return out
+
+
+def uuid_key(uuid: str) -> str:
+    """nvidia-smi says GPU-<hex>, torch's device properties the bare <hex>: one key for both."""
+    return uuid.strip().lower().removeprefix("gpu-")
 
 
 def _num(s: str) -> float | None:
@@ -58,7 +64,10 @@ def _num(s: str) -> float | None:
         return None
 
 
-def torch_facts() -> dict[str, Any]:
+def torch_facts(probe_gpus: bool = True) -> dict[str, Any]:
+    """What torch sees. Never creates a CUDA context (no per-GPU memory query: that would put one on
+    every visible GPU from every rank); `probe_gpus=False` (a training rank that just hit a CUDA
+    error) reads no device properties either: free memory and usage come from nvidia-smi."""
     out: dict[str, Any] = {"version": None, "cuda": None, "hip": None, "cudnn": None, "nccl": None,
                            "nccl_available": None, "cuda_available": None, "cuda_error": None, "device_count": 0,
                            "arch_list": [], "gpus": [], "import_error": None, "torchvision": None,
@@ -86,11 +95,11 @@ def torch_facts() -> dict[str, Any]:
         if out["cuda_available"]:
             out["device_count"] = torch.cuda.device_count()
             out["arch_list"] = torch.cuda.get_arch_list()
-            for i in range(out["device_count"]):
+            for i in range(out["device_count"] if probe_gpus else 0):
                 p = torch.cuda.get_device_properties(i)
-                free, total = torch.cuda.mem_get_info(i)
-                out["gpus"].append({"name": p.name, "memory_total_mb": total / 2**20, "memory_free_mb": free / 2**20,
-                                    "capability": f"{p.major}.{p.minor}", "bf16": p.major >= 8})
+                out["gpus"].append({"name": p.name, "memory_total_mb": p.total_memory / 2**20,
+                                    "capability": f"{p.major}.{p.minor}", "bf16": p.major >= 8,
+                                    "uuid": uuid_key(str(getattr(p, "uuid", "")))})
         elif out["cuda"]:
             out["arch_list"] = torch.cuda.get_arch_list()
         if out["cuda"] and out["nccl_available"]:  # the bundled NCCL answers without a GPU too
@@ -151,7 +160,7 @@ def master_reachability(addr: str | None, port: int | None) -> dict[str, Any]:
     return out
 
 
-def gather(run_dir: str = ".", environ=None) -> dict[str, Any]:
+def gather(run_dir: str = ".", environ=None, probe_gpus: bool = True) -> dict[str, Any]:
     environ = dict(os.environ if environ is None else environ)
     shm = None
     try:
@@ -171,7 +180,7 @@ def gather(run_dir: str = ".", environ=None) -> dict[str, Any]:
     return {
         "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
         "python": sys.version.split()[0],
-        "torch": torch_facts(),
+        "torch": torch_facts(probe_gpus),
         "nvidia": nvidia_smi(),
         "nvidia_device_files": sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*")),
         "env": {k: v for k, v in environ.items() if k in ENV_KEYS or k.startswith(ENV_PREFIXES)},
