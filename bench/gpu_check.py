@@ -93,7 +93,10 @@ def _timed_loop(step_fn, loader, steps: int, skip: int) -> float:
 
 def _raw_variant(steps: int, skip: int, batch: int) -> float:
     import torch
+
+    from ddp_kit.wrap import kernel_settings
     dev = torch.device("cuda")
+    kernel_settings(dev)  # the same TF32 / cudnn.benchmark switches ddp_kit.init sets: like against like
     model = _model().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     loader = torch.utils.data.DataLoader(_data(batch * 40, dev), batch_size=batch, shuffle=True, drop_last=True,
@@ -115,7 +118,10 @@ def _api_variant(steps: int, skip: int, batch: int, run_dir: str, count_syncs: b
     import ddp_kit
     run = ddp_kit.init(run_dir=run_dir, resume="never", ckpt_every=100, async_ckpt=True, log_every=50,
                        sync_check_every=100, preempt_check_every=10)
-    model, loader = run.prepare(_model(), torch.utils.data.DataLoader(_data(batch * 40, run.device), batch_size=batch,
+    # Counting: one epoch holds every counted step, so no step's owed end-of-epoch checks run inside
+    # the loader's fetch, outside the count.
+    n = batch * (120 if count_syncs else 40)
+    model, loader = run.prepare(_model(), torch.utils.data.DataLoader(_data(n, run.device), batch_size=batch,
                                                                        shuffle=True, drop_last=True))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     run.resume(optimizer=opt)

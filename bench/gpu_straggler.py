@@ -17,11 +17,11 @@ def main(sleep_cycles: int = 20_000_000, steps: int = 60):
     data = torch.utils.data.TensorDataset(torch.randn(64 * 2 * steps, 3, 32, 32), torch.randint(0, 10, (64 * 2 * steps,)))
     model, loader = run.prepare(torchvision.models.resnet18(num_classes=10),
                                 torch.utils.data.DataLoader(data, batch_size=128, shuffle=True, drop_last=True))
+    if run.rank == 1:  # queued inside the forward (after DDP's buffer broadcast): the GPU, not the host, is slow
+        run.unwrap(model).register_forward_pre_hook(lambda *_: torch.cuda._sleep(sleep_cycles))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
     for x, y in loader:
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-        if run.rank == 1:
-            torch.cuda._sleep(sleep_cycles)  # queued before the forward: the GPU, not the host, is slow
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()

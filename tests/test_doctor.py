@@ -197,3 +197,9 @@ def test_doctor_comm_under_torchrun():
     assert res.returncode in (0, 1), res.stderr[-2000:]
     assert "all_reduce (gloo, 2 ranks" in res.stdout and "busbw" in res.stdout
     assert res.stdout.count("ddp_kit doctor") == 1  # printed once, by rank 0
+
+
+def test_mig_instances_in_cuda_visible_devices():
+    f = broken(**{"env": {"CUDA_VISIBLE_DEVICES": "MIG-4f1e2d3c-aaaa-bbbb-cccc-000000000001"}, "torch.gpus": []})
+    assert mig(f).status == WARN and "MIG instances" in mig(f).message
+    assert gpu_memory_taken(f).status == SKIP

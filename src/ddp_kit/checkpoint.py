@@ -40,21 +40,50 @@ from .errors import UserError
 ALIGN = 64  # bytes: every view into a host buffer starts aligned for any dtype
 
 
+PAGE = 4096
+
+
 class HostBuffer:
-    """One page-locked host buffer at its exact size, for the GPU tensors of one checkpoint file.
+    """One page-locked host buffer at its exact size (to the page), for the GPU tensors of one file.
 
     Registered with cudaHostRegister rather than taken from torch's pinned allocator, which rounds
-    each allocation up to a power of two (up to 2x the state page-locked). If registration fails the
-    buffer stays pageable: the copies are then synchronous, and still correct. GPU-only."""
+    each allocation up to a power of two (up to 2x the state page-locked). The registered range is
+    whole pages of our own allocation, so it never overlaps another registration (which fails). If
+    registration fails anyway the buffer stays pageable (the copies are then synchronous, and still
+    correct) and CUDA's last-error is cleared, so it is not reported against a later kernel. GPU-only."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)) == 0
+        size = -(-max(nbytes, 1) // PAGE) * PAGE
+        self._raw = torch.empty(size + PAGE, dtype=torch.uint8)
+        start = -self._raw.data_ptr() % PAGE
+        self.data = self._raw[start:start + size]
+        self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), size, 0)) == 0
+        if not self.pinned:
+            _clear_cuda_error()
+
+    def release(self) -> None:
+        if getattr(self, "pinned", False):
+            self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
 
     def __del__(self):
-        if getattr(self, "pinned", False):
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+        try:
+            self.release()
+        except Exception:  # at interpreter exit CUDA may be gone already
+            pass
+
+
+def _clear_cuda_error() -> None:
+    """cudaGetLastError from the CUDA runtime torch loaded (its Python binding lacks it)."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -173,8 +202,8 @@ class Checkpointer:
 
     def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]) -> None:
         """Write checkpoint `step`. `shared` is identical on every rank (rank 0 writes it; key "model"
-        goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
-        copied to CPU when async."""
+        goes to model.pt); `per_rank` is this rank's own. Returns once written (on rank 0: committed),
+        or once the state is copied to CPU when async."""
         self.wait()  # a second save waits for the first
         # Every rank holds the same weights, so every rank reaches the same verdict. Flat state dicts
         # (a model's, under any name) are checked; nested ones (an optimizer's) are not.
@@ -195,7 +224,8 @@ class Checkpointer:
                 shared = {**model, **state}
             else:
                 shared = {}
-            per_rank, _ = snapshot(per_rank)
+            # kept until the next save: the copies into it may still be running after this returns
+            per_rank, self._hosts["rank"] = snapshot(per_rank, None, self._hosts.get("rank"))
             if self.ctx.device.type == "cuda":
                 torch.cuda.current_stream(self.ctx.device).synchronize()  # the non-blocking copies must land
             self._buffers = shared
@@ -296,10 +326,9 @@ class Checkpointer:
             os.replace(tmp, final)
             fsync_dir(self.root)
             self._retain(step)
-            if store:
-                store.set(f"{key}/committed", "1")
-        elif store:
-            store.wait([f"{key}/committed"], _td(self.timeout_s))
+        # The other ranks do not wait for rank 0's commit: their next collective meets rank 0 anyway,
+        # and a failed commit reaches them through fail-fast. Waiting here would stall every rank for
+        # the whole write of model.pt in a synchronous save.
 
     def _retain(self, newest: int) -> None:
         """Drop all but the newest `keep_last` (the one just committed is always kept). Old folders are

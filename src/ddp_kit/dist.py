@@ -43,6 +43,9 @@ class DistContext:
     # tables) run on this CPU (gloo) group beside an NCCL default group: small tensors in host memory,
     # so they never queue behind the GPU's work nor make the host wait for it. None: the default group.
     control_group: Any = field(default=None, compare=False)
+    # Set by whoever handles this process's failure: the teardown then aborts NCCL's communicators
+    # (destroying them waits for work a failed collective never finishes).
+    failing: threading.Event = field(default_factory=threading.Event, compare=False)
 
     def store_client(self) -> tdist.Store | None:
         """A connection of its own to the rendezvous store, for a helper thread: a TCPStore client
@@ -121,9 +124,13 @@ def check_layout(env: DistEnv, device: torch.device, environ=None) -> None:
                         rank=env.rank if env.local_rank == 0 else None)
 
 
-def choose_backend(device: torch.device, backend: str = "auto") -> str:
+def choose_backend(device: torch.device, backend: str = "auto", shared_gpu: bool = False) -> str:
+    """`shared_gpu`: every rank of the node was put on one GPU (device="cuda:<i>"), which NCCL refuses."""
+    if shared_gpu and backend == "nccl":
+        raise UserError(f"device={device} puts several ranks on one GPU, which NCCL refuses",
+                        "use --backend gloo (or auto) with a shared GPU, or --device auto for one GPU per rank", local=True)
     if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
+        return "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise UserError("backend nccl needs CUDA devices but this run is on cpu", "use --backend gloo (or auto)",
                         local=True)
@@ -179,7 +186,7 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     """
     env = detect() if env is None else env
     dev = choose_device(env, device)
-    be = choose_backend(dev, backend)
+    be = choose_backend(dev, backend, shared_gpu=device.startswith("cuda:") and env.local_world_size > 1)
     check_layout(env, dev)
     if be == "nccl":
         nccl_defaults(dump_dir)
@@ -219,14 +226,15 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         raise err from exc
     finally:
         deadline.cancel()
+    ctx = DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None,
+                      timeout_s=timeout_s, failfast=failfast, control_group=control)
     failed = True
     try:
-        yield DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None,
-                          timeout_s=timeout_s, failfast=failfast, control_group=control)
+        yield ctx
         failed = False
     finally:
         failfast.stop()
-        teardown(abort=failed and be == "nccl")
+        teardown(abort=(failed or ctx.failing.is_set()) and be == "nccl")
 
 
 def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:

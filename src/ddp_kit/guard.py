@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import __version__
 from .checkpoint import Checkpointer, rng_state, set_rng_state
@@ -176,6 +177,7 @@ class Guard:
     def fail(self, err: BaseException) -> int:
         """This process ends on `err`: say what the failure policy says, return the exit code."""
         self.failed = True
+        self.ctx.failing.set()
         if self.ctx.failfast is not None:
             self.ctx.failfast.quiet()
         self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
@@ -194,6 +196,10 @@ class Guard:
         if isinstance(obj, nn.Module):
             self.models.append(obj)
             obj.register_forward_hook(lambda *_: self.timer.mark("forward"))
+            if isinstance(obj, DDP):
+                # DDP's pre-forward broadcasts rank 0's buffers (BatchNorm statistics) to every rank,
+                # a wait on the others: it is booked as comm, and the forward is timed from here.
+                obj.module.register_forward_pre_hook(lambda *_: self.timer.mark("comm"))
             base = "model"
         elif isinstance(obj, TrainLoader):
             self.loaders.append(obj)

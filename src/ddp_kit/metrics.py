@@ -40,7 +40,10 @@ class GpuSpans:
     def mark(self, part: str) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        opens, closes = {"data": "forward", "backward": "optimizer"}, {"forward": "forward", "optimizer": "optimizer"}
+        # "comm" just before a forward is DDP's buffer broadcast (a wait on the others): the forward's
+        # own span starts after it; a later "data" or "comm" mark simply reopens the span.
+        opens = {"data": "forward", "comm": "forward", "backward": "optimizer"}
+        closes = {"forward": "forward", "optimizer": "optimizer"}
         if part in closes and closes[part] in self._open:
             pairs = self.spans[closes[part]]
             if len(pairs) >= 10_000:  # never read (no log events): keep the event count bounded

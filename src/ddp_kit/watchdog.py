@@ -98,13 +98,19 @@ class Watchdog:
                     print(f"ddp_kit: [rank {self.rank}] watchdog stopped: {exc}", file=sys.stderr, flush=True)
                 return
 
-    def _tick(self) -> None:
+    def _publish(self, hang: bool = False) -> float:
+        """This rank's position and heartbeat ("t"); returns how long it has made no progress."""
         p = self.progress
         stalled_for = time.monotonic() - p.since
         where, waiting = _where(self._main_thread)
         self.store.set(f"ddp_kit/progress/{self.rank}", json.dumps(
             {"step": p.step, "phase": p.phase, "stalled_s": round(stalled_for, 1), "host": self.host,
-             "where": where, "waiting": waiting, "t": time.time()}))
+             "where": where, "waiting": waiting, "t": time.time(), "hang": hang}))
+        return stalled_for
+
+    def _tick(self) -> None:
+        p = self.progress
+        stalled_for = self._publish()
         if self.store.check([_ABORT]):
             self.aborting.set()
             self._dump()
@@ -126,8 +132,8 @@ class Watchdog:
             return
         silent = now - self._peer_seen[1]
         last = json.loads(beat)
-        if silent < self.peer_timeout_s or last.get("left"):
-            return
+        if silent < self.peer_timeout_s or last.get("left") or last.get("hang"):
+            return  # left on purpose, or waiting for rank 0's hang report (which it will get)
         self._peer_seen = (beat, now)  # said once
         err = RuntimeError(f"rank {self._peer} stopped answering: no heartbeat for {silent:.0f}s (its process was killed "
                            f"or is frozen), last seen on {last.get('host')} at step {last.get('step')} in "
@@ -152,8 +158,14 @@ class Watchdog:
         self._dump()
         if self.rank != 0:
             # Rank 0 writes the report; give it time, then leave on our own if it never does.
+            # Still beating meanwhile (marked as a declared hang): a rank in a slower phase must not
+            # take this silence for a dead process.
             deadline = time.monotonic() + max(10.0, self.hang_timeout_s, 4 * self.poll_s)
+            next_beat = 0.0
             while time.monotonic() < deadline and not self.store.check([_ABORT]):
+                if time.monotonic() >= next_beat:
+                    self._publish(hang=True)
+                    next_beat = time.monotonic() + self.poll_s
                 time.sleep(0.2)
             if not self.store.check([_ABORT]):
                 print(f"ddp_kit: [rank {self.rank}] no progress for {stalled_for:.0f}s in {self.progress.phase} at step "

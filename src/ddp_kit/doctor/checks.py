@@ -246,14 +246,24 @@ def _visible_smi_gpus(f: dict) -> list[tuple[int, int, dict]]:
             out.append((c, int(item), smi[int(item)]))
         elif item.lower().startswith("gpu-") and item.lower().removeprefix("gpu-") in by_uuid:
             out.append((c, *by_uuid[item.lower().removeprefix("gpu-")]))
+        else:
+            return None  # a MIG instance or an entry nvidia-smi does not list: the mapping is unknown
     return out
+
+
+def _mig_visible(f: dict) -> bool:
+    return any(v.strip().upper().startswith("MIG-") for v in (f["env"].get("CUDA_VISIBLE_DEVICES") or "").split(","))
 
 
 def gpu_memory_taken(f: dict) -> Finding:
     name = "GPU memory in use"
     if not f["nvidia"]["gpus"]:
         return Finding(name, SKIP, "no GPU")
-    busy = [(c, s, g) for c, s, g in _visible_smi_gpus(f)
+    visible = _visible_smi_gpus(f)
+    if visible is None:
+        return Finding(name, SKIP, f"CUDA_VISIBLE_DEVICES={f['env'].get('CUDA_VISIBLE_DEVICES')!r} names devices "
+                       "nvidia-smi does not list as GPUs (MIG instances?): not judged")
+    busy = [(c, s, g) for c, s, g in visible
             if g.get("memory_total_mb") and (g.get("memory_used_mb") or 0) > 0.1 * g["memory_total_mb"]]
     if busy:
         c, s, g = busy[0]
@@ -265,7 +275,10 @@ def gpu_memory_taken(f: dict) -> Finding:
 
 def mig(f: dict) -> Finding:
     name = "MIG"
-    on = [(c, s) for c, s, g in _visible_smi_gpus(f) if g.get("mig")]
+    if _mig_visible(f):
+        return Finding(name, WARN, "CUDA_VISIBLE_DEVICES names MIG instances: a process sees one, and NCCL cannot run "
+                       "collectives between instances", "train on one MIG instance per job (world size 1), or ask for whole GPUs")
+    on = [(c, s) for c, s, g in _visible_smi_gpus(f) or [] if g.get("mig")]
     if not on:
         return Finding(name, OK if f["nvidia"]["gpus"] else SKIP, "no GPU in MIG mode" if f["nvidia"]["gpus"] else "no GPU")
     c, s = on[0]
