@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import random
 import shutil
@@ -40,7 +41,7 @@ from .errors import UserError
 ALIGN = 64  # bytes: every view into a host buffer starts aligned for any dtype
 
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # 64 KiB on some ARM servers (GH200): registrations must not share a page
 
 
 class HostBuffer:
@@ -202,8 +203,8 @@ class Checkpointer:
 
     def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]) -> None:
         """Write checkpoint `step`. `shared` is identical on every rank (rank 0 writes it; key "model"
-        goes to model.pt); `per_rank` is this rank's own. Returns once written (on rank 0: committed),
-        or once the state is copied to CPU when async."""
+        goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
+        copied to CPU when async."""
         self.wait()  # a second save waits for the first
         # Every rank holds the same weights, so every rank reaches the same verdict. Flat state dicts
         # (a model's, under any name) are checked; nested ones (an optimizer's) are not.
@@ -326,9 +327,13 @@ class Checkpointer:
             os.replace(tmp, final)
             fsync_dir(self.root)
             self._retain(step)
-        # The other ranks do not wait for rank 0's commit: their next collective meets rank 0 anyway,
-        # and a failed commit reaches them through fail-fast. Waiting here would stall every rank for
-        # the whole write of model.pt in a synchronous save.
+            if store:
+                store.set(f"{key}/committed", "1")
+        elif store:
+            # Waiting here, in the "checkpoint" phase (slow-phase limits), not in the next collective
+            # under the hang and collective timeouts: a long model.pt write is not a hang, and no rank
+            # leaves (exit, requeue) before the checkpoint it belongs to is committed.
+            store.wait([f"{key}/committed"], _td(self.timeout_s))
 
     def _retain(self, newest: int) -> None:
         """Drop all but the newest `keep_last` (the one just committed is always kept). Old folders are

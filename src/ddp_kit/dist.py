@@ -186,7 +186,9 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     """
     env = detect() if env is None else env
     dev = choose_device(env, device)
-    be = choose_backend(dev, backend, shared_gpu=device.startswith("cuda:") and env.local_world_size > 1)
+    # SLURM's per-task binding shows each task only its own GPU: cuda:0 is then not shared
+    own_gpu = env.launcher == "slurm" and dev.type == "cuda" and torch.cuda.device_count() == 1
+    be = choose_backend(dev, backend, shared_gpu=device.startswith("cuda:") and env.local_world_size > 1 and not own_gpu)
     check_layout(env, dev)
     if be == "nccl":
         nccl_defaults(dump_dir)

@@ -198,8 +198,21 @@ class Guard:
             obj.register_forward_hook(lambda *_: self.timer.mark("forward"))
             if isinstance(obj, DDP):
                 # DDP's pre-forward broadcasts rank 0's buffers (BatchNorm statistics) to every rank,
-                # a wait on the others: it is booked as comm, and the forward is timed from here.
-                obj.module.register_forward_pre_hook(lambda *_: self.timer.mark("comm"))
+                # a wait on the others: booked as comm (the loop's own work before the call as
+                # other), and the forward is timed from the inner module's start. Only inside DDP's
+                # call: the inner module alone (an eval) marks nothing.
+                inside = [False]
+
+                def entering(*_):
+                    self.timer.mark("other")
+                    inside[0] = True
+
+                def inner_start(*_):
+                    if inside[0]:
+                        inside[0] = False
+                        self.timer.mark("comm", gpu="forward start")
+                obj.register_forward_pre_hook(entering)
+                obj.module.register_forward_pre_hook(inner_start)
             base = "model"
         elif isinstance(obj, TrainLoader):
             self.loaders.append(obj)

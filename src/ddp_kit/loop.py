@@ -76,7 +76,8 @@ def evaluate(job: Job) -> dict[str, float]:
         count += n
     module.train(was_training)
     names = sorted(sums)
-    values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in names]).tolist() if names else []
+    values = (torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=run.device) for k in names]).tolist()
+              if names else [])
     # ^ one device->host read for all metrics, after the whole shard
     *totals, count = run.sum(*values, count)
     return {**{f"eval_{k}": v / max(count, 1) for k, v in zip(names, totals)}, "eval_samples": int(count)}

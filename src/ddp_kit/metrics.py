@@ -40,9 +40,9 @@ class GpuSpans:
     def mark(self, part: str) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        # "comm" just before a forward is DDP's buffer broadcast (a wait on the others): the forward's
-        # own span starts after it; a later "data" or "comm" mark simply reopens the span.
-        opens = {"data": "forward", "comm": "forward", "backward": "optimizer"}
+        # "forward start": the inner module of a DDP model starts, after DDP's buffer broadcast (a
+        # wait on the others), so the span reopened there is the forward's own work.
+        opens = {"data": "forward", "forward start": "forward", "backward": "optimizer"}
         closes = {"forward": "forward", "optimizer": "optimizer"}
         if part in closes and closes[part] in self._open:
             pairs = self.spans[closes[part]]
@@ -72,13 +72,14 @@ class StepTimer:
     gpu: GpuSpans | None = None
     _t: float = field(default_factory=time.perf_counter)
 
-    def mark(self, part: str) -> None:
-        """Charge the time since the previous mark to `part`."""
+    def mark(self, part: str, gpu: str | None = None) -> None:
+        """Charge the time since the previous mark to `part`; `gpu`: the GPU spans' name for this
+        point when it differs from `part`."""
         now = time.perf_counter()
         self.sums[part] += now - self._t
         self._t = now
         if self.gpu is not None:
-            self.gpu.mark(part)
+            self.gpu.mark(gpu or part)
 
     def window(self) -> dict[str, float]:
         """Mean seconds per step for each part since the last call, then start a new window."""
