@@ -184,7 +184,8 @@ def host_syncs(batch: int = 256) -> dict:
 def checkpoint() -> dict:
     import torch
 
-    from ddp_kit.checkpoint import Checkpointer, tensors_in
+    from ddp_kit.checkpoint import Checkpointer
+    from ddp_kit.staging import tensors_in
     from ddp_kit.dist import distributed
     dev = torch.device("cuda")
     model = _model().to(dev)

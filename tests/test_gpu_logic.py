@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import ok, read_json, run_cmd
-from ddp_kit.checkpoint import rng_state, set_rng_state, snapshot
+from ddp_kit.checkpoint import rng_state, set_rng_state
+from ddp_kit.staging import snapshot
 from ddp_kit.dist import choose_backend
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
