@@ -109,3 +109,26 @@ def test_straggler_named_from_gpu_time_on_one_gpu():
     res = ok(torchrun([str(ROOT / "bench" / "gpu_straggler.py")], nproc=2, env=gpus(1), timeout=240))
     lines = [line for line in res.stdout.splitlines() if line.startswith("ddp_kit: warning: straggler")]
     assert len(lines) == 1 and "rank 1" in lines[0] and "GPU forward" in lines[0], res.stdout
+
+
+def test_fsdp_on_one_gpu_async_sharded_checkpoint_resumes(tmp_path):
+    """strategy fsdp at world size 1 on a GPU: DCP checkpoints, async (a gloo group of their own beside
+    NCCL), resumed by a second run."""
+    args = [sys.executable, "-m", "ddp_kit.train", "--strategy", "fsdp", "--async_ckpt", "true", "--device", "cuda",
+            "--ckpt_every", "10", "--progress", "false", "--run_dir", str(tmp_path)]
+    ok(run_cmd([*args, "--max_steps", "20"], env=gpus(1)))
+    assert (tmp_path / "checkpoints" / "step_20" / "dcp").is_dir()
+    res = ok(run_cmd([*args, "--max_steps", "30"], env=gpus(1)))
+    assert "resumed from" in res.stdout and read_json(tmp_path / "summary.json")["steps"] == 30
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("offload", ["false", "true"])
+def test_fsdp_two_gpus_bf16(tmp_path, offload):
+    """NCCL, bf16 mixed precision, optionally the shards and the optimizer step on the CPU; the final
+    param_sha256 gathers the (offloaded) shards on the GPU."""
+    ok(torchrun(["-m", "ddp_kit.train", "--strategy", "fsdp", "--amp", "bf16", "--fsdp_cpu_offload", offload,
+                 "--epochs", "2", "--ckpt_every", "10", "--progress", "false", "--run_dir", str(tmp_path)],
+                nproc=2, env=gpus(2)))
+    s = read_json(tmp_path / "summary.json")
+    assert s["backend"] == "nccl" and s["strategy"] == "fsdp" and s["eval_accuracy"] > 0.8

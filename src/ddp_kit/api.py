@@ -67,7 +67,8 @@ class Run:
     run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
 
     def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False, channels_last: bool = False,
-                grad_accum: int = 1, ddp: dict[str, Any] | None = None, device_data: bool = False) -> Any:
+                grad_accum: int = 1, ddp: dict[str, Any] | None = None, device_data: bool = False,
+                strategy: str = "ddp", fsdp: dict[str, Any] | None = None, amp: str = "off") -> Any:
         """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
 
         Everything returned that has state_dict/load_state_dict (the model, the loader with its data
@@ -76,17 +77,27 @@ class Run:
         over ranks and micro-steps); use `run.accumulate` on the first k-1. `ddp`: DDP's own options
         (e.g. {"bucket_cap_mb": 50, "static_graph": True}); gradient_as_bucket_view is on by default.
         `device_data`: a loader over an in-memory TensorDataset keeps it on the device and indexes
-        batches there (the same batches; no per-step collate or copy)."""
-        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data) for o in objs]
+        batches there (the same batches; no per-step collate or copy).
+
+        `strategy="fsdp"` shards each model with FSDP2 instead of replicating it (fsdp.py): `fsdp`
+        takes blocks (the per-block policy: a callable or class names), cpu_offload and
+        reshard_after_forward; `amp="bf16"` gives it FSDP's mixed-precision policy. Checkpoints of
+        the models and the optimizers over their parameters are then sharded (DCP): create the
+        optimizer from the model this returns."""
+        if strategy == "fsdp" and any(isinstance(o, nn.Module) for o in objs):
+            self._guard.strategy = "fsdp"
+        out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
+                                 dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._guard.track(o)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
-                     ddp: dict[str, Any] | None, device_data: bool) -> Any:
+                     ddp: dict[str, Any] | None, device_data: bool, sharding: dict[str, Any]) -> Any:
         if isinstance(obj, nn.Module):
-            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp)
+            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
+                              **sharding)
         if isinstance(obj, DataLoader):
             return self.train_loader(obj, grad_accum, device_data)
         return obj
@@ -125,9 +136,12 @@ class Run:
         if loader.drop_last:
             raise UserError("run.eval_loader evaluates every sample exactly once, so it cannot honour drop_last=True",
                             "pass drop_last=False to the evaluation DataLoader")
+        # Sharded models gather their weights in every forward, so every rank must make the same number
+        # of calls: under FSDP each rank's exact share comes in the same number of batches.
         shard = eval_loader(dataset, batch_size=loader.batch_size, world_size=self.world_size, rank=self.rank,
                             num_workers=loader.num_workers, pin_memory=self.device.type == "cuda",
-                            collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
+                            collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
+                            even_batches=self._guard.strategy == "fsdp")
         return _Announced(shard, lambda: self._guard.heartbeat("eval"))
 
     def _sampling(self, loader: DataLoader) -> tuple[Dataset, bool, int]:
@@ -202,6 +216,12 @@ class Run:
     def steps_done(self) -> int:
         """Optimizer steps done, the one whose boundary is still to run (at the next batch) included."""
         return self._guard.done + int(self._guard.pending)
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """This rank's parameter, gradient and optimizer-state bytes (its shards under FSDP), as last
+        measured at a log event or the first optimizer step; {} before that."""
+        return dict(self._guard.memory)
 
     @property
     def epoch(self) -> int:

@@ -5,6 +5,9 @@ Layout under `ckpt_root` (usually run_dir/checkpoints):
     step_<N>/model.pt        rank 0: the unwrapped model's state_dict (exportable as is)
     step_<N>/train_state.pt  rank 0: optimizer, scheduler, scaler, loop and data position
     step_<N>/rank<R>.pt      every rank: its RNG states
+    step_<N>/dcp/            strategy fsdp: the sharded models and optimizers (torch.distributed.checkpoint;
+                             every rank writes its own shards, rank 0 the .metadata), instead of
+                             their entries in model.pt / train_state.pt
     step_<N>/meta.json       rank 0: step, world size, config and its hash, versions
     step_<N>/manifest.json   rank 0, written last: every file's size and sha256
     latest                   the name of the newest committed step_<N>
@@ -18,6 +21,7 @@ exists and matches its files counts as a checkpoint.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
@@ -31,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from .ckpt_folder import MANIFEST, choose, latest_name, point_latest, step_numbers
-from .dist import DistContext, rank0_verdict
+from .dist import DistContext, all_true, rank0_verdict
 from .durable import fsync_dir, write_durable
 from .errors import UserError
 from .staging import HostBuffer, snapshot, tensors_in, to_host
@@ -81,14 +85,25 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._buffers: Any = None  # the previous async snapshot (its CPU buffers are reused)
         self._hosts: dict[str, HostBuffer | None] = {}  # per file kind: the flat page-locked buffer
+        self._group: Any = None  # DCP's own gloo group: an async save's collectives never meet training's
 
     # ---- saving -----------------------------------------------------------------------------------
 
-    def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]) -> None:
+    def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any],
+             sharded: dict[str, Any] | None = None) -> None:
         """Write checkpoint `step`. `shared` is identical on every rank (rank 0 writes it; key "model"
-        goes to model.pt); `per_rank` is this rank's own. Returns once committed, or once the state is
-        copied to CPU when async."""
+        goes to model.pt); `per_rank` is this rank's own; `sharded` (FSDP's state dicts, different on
+        every rank) goes through DCP into dcp/. Returns once committed, or once the state is copied
+        to CPU when async."""
         self.wait()  # a second save waits for the first
+        if sharded is not None:
+            bad = [f"{name}.{k}" for name, st in sharded.items()  # flat (a model's); an optimizer's is nested
+                   for k in nonfinite_tensors({k: _local(v) for k, v in st.items()})]
+            if not all_true(self.ctx, not bad):  # shards differ: the ranks agree on one verdict
+                raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite"
+                                f"{f' ({bad[0]} on rank {self.ctx.rank})' if bad else ' (on another rank)'}; last "
+                                f"checkpoint: {latest_name(self.root)}",
+                                "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
         # Every rank holds the same weights, so every rank reaches the same verdict. Flat state dicts
         # (a model's, under any name) are checked; nested ones (an optimizer's) are not.
         bad = [k if name == "model" else f"{name}.{k}" for name, st in shared.items() if isinstance(st, dict)
@@ -113,13 +128,45 @@ class Checkpointer:
             if self.ctx.device.type == "cuda":
                 torch.cuda.current_stream(self.ctx.device).synchronize()  # the non-blocking copies must land
             self._buffers = shared
-            self._thread = threading.Thread(target=self._run_async, args=(step, shared, per_rank, meta),
+            # DCP copies the shards to CPU here and writes them in its own thread; ours waits for it.
+            shards = self._write_sharded(self._open_tmp(step), sharded, now=False) if sharded is not None else None
+            self._thread = threading.Thread(target=self._run_async, args=(step, shared, per_rank, meta, shards),
                                             name=f"ddp_kit-ckpt-{step}", daemon=False)
             self._thread.start()
         else:
             if self.ctx.device.type == "cuda":  # plain CPU tensors on disk: loadable with no GPU
                 shared, per_rank = (to_host(shared) if self.ctx.is_main else {}), to_host(per_rank)
-            self._commit(step, shared, per_rank, meta)
+            self._commit(step, shared, per_rank, meta, sharded)
+
+    def _dcp_group(self) -> Any:
+        """A gloo group for DCP alone, also at world size 1: its async save needs a CPU backend, and the
+        default group is NCCL-only on GPUs. Created on every rank at the same point (first save or load)."""
+        import torch.distributed as tdist
+
+        if self._group is None and tdist.is_initialized():
+            self._group = tdist.new_group(backend="gloo", timeout=_td(self.timeout_s))
+        return self._group
+
+    def _write_sharded(self, tmp: Path, sharded: dict, now: bool) -> Any:
+        """Every rank writes its shards into tmp/dcp/: now (DCP's metadata), or from DCP's thread (a Future)."""
+        import torch.distributed.checkpoint as dcp
+
+        group = self._dcp_group()
+        options = dict(storage_writer=dcp.FileSystemWriter(tmp / "dcp"), process_group=group, no_dist=group is None)
+        return dcp.save(sharded, **options) if now else dcp.async_save(sharded, **options)
+
+    def _open_tmp(self, step: int) -> Path:
+        """Rank 0 makes an empty .tmp_step_<N>/ (a killed save's leftovers go); the others wait for it."""
+        tmp = self.root / f".tmp_step_{step}"
+        key = f"ddp_kit/ckpt/step_{step}/ready"
+        if self.ctx.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
+            tmp.mkdir(parents=True)
+            self.ctx.store.set(key, "1") if self.ctx.store else None
+        elif self.ctx.store:
+            self.ctx.store.wait([key], _td(self.timeout_s))
+        return tmp
 
     def latest_name(self) -> str:
         return latest_name(self.root)
@@ -139,9 +186,9 @@ class Checkpointer:
             err, self._error = self._error, None
             raise err
 
-    def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict) -> None:
+    def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any = None) -> None:
         try:
-            self._commit_files(step, shared, per_rank, meta)
+            self._commit_files(step, shared, per_rank, meta, shards)
         except (OSError, RuntimeError) as exc:
             if not _disk_full(exc):
                 raise
@@ -160,20 +207,18 @@ class Checkpointer:
                             "free space on that disk, or lower --keep_last; then rerun the same command to resume",
                             local=True) from None
 
-    def _commit_files(self, step: int, shared: dict, per_rank: dict, meta: dict) -> None:
+    def _commit_files(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> None:
+        """`shards`: None, the sharded state dicts to write now, or an async save's Future (DCP writing)."""
         rank, world = self.ctx.rank, self.ctx.world_size
         name = f"step_{step}"
-        tmp = self.root / f".tmp_{name}"
         store = self.ctx.store
         key = f"ddp_kit/ckpt/{name}"
-        if self.ctx.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
-            tmp.mkdir(parents=True)
-            store.set(f"{key}/ready", "1") if store else None
-        elif store:
-            store.wait([f"{key}/ready"], _td(self.timeout_s))
+        pending = hasattr(shards, "result")
+        tmp = self.root / f".tmp_{name}" if pending else self._open_tmp(step)
         files: dict[str, dict] = {}
+        if shards is not None:
+            metadata = shards.result() if pending else self._write_sharded(tmp, shards, now=True)
+            files.update(_dcp_files(tmp, rank, metadata, world))
         files[f"rank{rank}.pt"] = write_durable(tmp / f"rank{rank}.pt", per_rank, self.write_delay_s)
         if self.ctx.is_main:
             # The two big files are written side by side: serialization, checksums and fsync overlap.
@@ -195,7 +240,13 @@ class Checkpointer:
             for posted in store.multi_get(keys):
                 files.update(json.loads(posted))
         if self.ctx.is_main:
+            expected = files.pop("dcp/.expected", [])
+            lost = [f for f in expected if f not in files]
+            if lost:  # a shard DCP wrote that no rank hashed: never commit a checkpoint resume could not read
+                raise RuntimeError(f"checkpoint step_{step}: DCP wrote {lost[:3]} but no rank reported it")
             write_durable(tmp / MANIFEST, {"step": step, "world_size": world, "files": files})
+            if (tmp / "dcp").is_dir():
+                fsync_dir(tmp / "dcp")
             fsync_dir(tmp)
             final = self.root / name
             if final.exists():  # same step again (after a resume from an older one): replace it
@@ -242,6 +293,25 @@ class Checkpointer:
         value = rank0_verdict(self.ctx, lambda: choose(self.root, resume, warn))
         return Found(Path(value[0]), value[1]) if value else None
 
+    def load_sharded(self, found: Found, template: dict) -> None:
+        """Fill `template` (this rank's sharded state dicts) from found/dcp/, whatever world size wrote it."""
+        import torch.distributed.checkpoint as dcp
+
+        if not all_true(self.ctx, (found.path / "dcp").is_dir()):  # one verdict, before DCP's collectives
+            raise UserError(f"checkpoint {found.path} holds no sharded state (dcp/) that every rank can read: it was "
+                            f"written with strategy ddp, or is not on storage every rank mounts",
+                            "resume it with the strategy that wrote it, or start over with resume='never' or a new run_dir")
+        group = self._dcp_group()
+        dcp.load(template, storage_reader=dcp.FileSystemReader(found.path / "dcp"), process_group=group,
+                 no_dist=group is None)
+
+    def sharded_keys(self, found: Found) -> set[str]:
+        """The flattened keys a sharded checkpoint holds (e.g. "optimizer.state.fc.weight.exp_avg")."""
+        import torch.distributed.checkpoint as dcp
+
+        path = found.path / "dcp"
+        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata) if path.is_dir() else set()
+
     def load(self, found: Found) -> tuple[dict, dict | None, dict]:
         """(shared state, this rank's per-rank state or None, meta), on CPU: load_state_dict copies each
         tensor to its device once, so the model is never held twice on the GPU."""
@@ -252,6 +322,31 @@ class Checkpointer:
         per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         meta = json.loads((found.path / "meta.json").read_text())
         return shared, per_rank, meta
+
+
+def _dcp_files(tmp: Path, rank: int, metadata: Any, world: int) -> dict[str, dict]:
+    """{relative path: size and sha256} of the DCP files this rank wrote (rank 0: and .metadata).
+
+    DCP names a rank's files __<rank>_<i>.distcp; rank 0 checks against the metadata that the
+    ranks' lists together cover every file it names (see _commit_files)."""
+    folder = tmp / "dcp"
+    mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
+    out = {f"dcp/{f.name}": _file_digest(f) for f in mine}
+    if rank == 0:
+        out["dcp/.expected"] = sorted({f"dcp/{info.relative_path}" for info in metadata.storage_data.values()})
+    return out
+
+
+def _file_digest(f: Path) -> dict:
+    sha = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            sha.update(chunk)
+    return {"size": f.stat().st_size, "sha256": sha.hexdigest()}
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _disk_full(exc: BaseException | None) -> bool:

@@ -1,7 +1,7 @@
 """`python -m ddp_kit.checkpoint`: list a run's checkpoints with their validity; export model weights.
 
     python -m ddp_kit.checkpoint list RUN_DIR
-    python -m ddp_kit.checkpoint export RUN_DIR --out model.pt [--step N|latest]
+    python -m ddp_kit.checkpoint export RUN_DIR --out model.pt [--step N|latest] [--name model]
 """
 from __future__ import annotations
 
@@ -86,16 +86,17 @@ def list_(run_dir: str) -> None:
     latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
     print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  path")
     for step, path, reason in rows:
-        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         world = json.loads((path / "meta.json").read_text()).get("world_size", "?") if reason is None else "?"
         mark = " (latest)" if path.name == latest else ""
         print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world:>5}  {size:>10}  {path}{mark}"
               + (f"  -- {reason}" if reason else ""))
 
 
-def export(run_dir: str, out: str, step: int | str | None = None) -> None:
+def export(run_dir: str, out: str, step: int | str | None = None, name: str = "model") -> None:
     """Write the model weights of checkpoint STEP (default: newest valid; latest: the one `latest`
-    names) as a plain state_dict file."""
+    names) as a plain state_dict file. A sharded (strategy fsdp) checkpoint is assembled in this
+    process; `name` picks another registered model of it (e.g. model_1)."""
     root = _run_dir(run_dir)
     dest = _out_path(out)
     step = _step(step)
@@ -115,7 +116,8 @@ def export(run_dir: str, out: str, step: int | str | None = None) -> None:
     reason = validate(path)
     if reason:
         raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
-    state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    state = (torch.load(path / "model.pt", map_location="cpu", weights_only=True) if (path / "model.pt").exists()
+             else _consolidate(path, str(name)))
     # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
     # where an inference job would pick it up.
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
@@ -131,6 +133,28 @@ def export(run_dir: str, out: str, step: int | str | None = None) -> None:
         raise UserError(f"cannot write --out {str(dest)!r} ({exc.strerror or exc})",
                         "pass --out in a folder you can write to, on a disk with free space") from None
     print(f"exported {len(state)} tensors from {path} to {dest}")
+
+
+def _consolidate(path: Path, name: str = "model") -> dict:
+    """The whole `name` state dict of a sharded (strategy fsdp) checkpoint, read from its dcp/ folder
+    in this one process: no GPU, no process group, any world size that wrote it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    # DCP's own whole-checkpoint reader, restricted to one key: it rebuilds nested entries too
+    # (a module's _extra_state), which a template of plain tensors cannot.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    if not (path / "dcp").is_dir():
+        raise UserError(f"checkpoint {str(path)!r} holds neither model.pt nor sharded weights (dcp/)", LIST_HINT)
+    reader = dcp.FileSystemReader(path / "dcp")
+    held = sorted({k.split(".", 1)[0] for k in reader.read_metadata().state_dict_metadata})
+    if name not in held:
+        raise UserError(f"checkpoint {str(path)!r} holds no {name!r} in dcp/ (it holds: {', '.join(held)})",
+                        f"pass --name with one of those; {LIST_HINT}")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore")
+        return _load_state_dict_from_keys(keys={name}, storage_reader=reader)[name]
 
 
 def main() -> None:

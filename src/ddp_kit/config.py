@@ -51,6 +51,10 @@ class TrainConfig:
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
     backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
+    strategy: str = _f("ddp", "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints). See README 'Choosing a strategy'.", ("ddp", "fsdp"))
+    fsdp_blocks: str = _f("", "fsdp: comma-separated module class names that each become one FSDP unit (e.g. Block). Empty: each child of an nn.ModuleList, else each direct child with parameters.")
+    fsdp_cpu_offload: bool = _f(False, "fsdp, CUDA only: keep the sharded parameters, gradients and optimizer state in host memory (the optimizer step runs on the CPU).")
+    fsdp_reshard_after_forward: bool = _f(True, "fsdp: free each unit's gathered weights after its forward (gathered again for the backward); false keeps them (more memory, less communication).")
     sync_bn: bool = _f(False, "Convert BatchNorm layers to SyncBatchNorm when world size > 1.")
     compile: bool = _f(False, "Wrap the model in torch.compile.")
     channels_last: bool = _f(False, "Use channels_last memory format for image models.")
@@ -109,7 +113,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
 RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
                                     "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic",
-                                    "bucket_cap_mb", "static_graph", "device_data"})
+                                    "bucket_cap_mb", "static_graph", "device_data", "fsdp_blocks", "fsdp_cpu_offload",
+                                    "fsdp_reshard_after_forward"})
 # These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
 _UNREPORTED = frozenset({"resume", "inject"})
 
@@ -299,6 +304,19 @@ def _validate(cfg: TrainConfig) -> None:
         from .faults import parse
 
         parse(cfg.inject)
+    if cfg.strategy == "fsdp":
+        ddp_only = [f"--{k} {getattr(cfg, k)}" for k in ("static_graph", "bucket_cap_mb", "sync_bn")
+                    if getattr(cfg, k) != FIELDS[k].default]
+        if ddp_only:
+            raise UserError(f"{', '.join(ddp_only)} {'is a DDP option' if len(ddp_only) == 1 else 'are DDP options'} and "
+                            f"do{'es' if len(ddp_only) == 1 else ''} not combine with --strategy fsdp",
+                            "drop it, or use --strategy ddp")
+        if cfg.amp == "fp16":
+            raise UserError("--amp fp16 does not combine with --strategy fsdp (its GradScaler does not handle sharded "
+                            "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
+    elif cfg.fsdp_cpu_offload or cfg.fsdp_blocks:
+        raise UserError("--fsdp_cpu_offload and --fsdp_blocks are FSDP options; this run's strategy is ddp",
+                        "add --strategy fsdp, or drop them")
     if cfg.num_workers < -1:
         raise UserError(f"num_workers must be >= 0, or -1 for automatic; got {cfg.num_workers}", "e.g. --num_workers 2")
 

@@ -53,7 +53,8 @@ from .outputs import RunWriter
 from .preempt import PreemptFlag, agree_stop, exit_code, requeue
 from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 from .state import TrainState
-from .sync import check_agreement, check_consistency, shapes_digest
+from .fsdp import load_state_dicts, memory_bytes, state_dicts
+from .sync import check_agreement, check_consistency, optimizer_steps, shapes_digest
 from .peerloss import disable_crash_dump, enable_crash_dump
 from .progress import Progress
 from .watchdog import Watchdog
@@ -103,6 +104,10 @@ class Guard:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.meta: dict[str, Any] = {}
+        self.strategy = "ddp"  # "fsdp" once run.prepare shards a model: its state is checkpointed by DCP
+        self.memory: dict[str, int] = {}  # this rank's parameter/gradient/optimizer bytes (fsdp.memory_bytes)
+        self._measure_grads = True  # at the next optimizer step: gradients exist only until zero_grad
+        self._not_a_step = False  # an optimizer step that is not training (see _state_io)
         self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
         self.cuda_notes: Callable[[BaseException], list[str]] | None = None
         self.on_log: list[Callable[[dict], None]] = []
@@ -220,14 +225,24 @@ class Guard:
             base = "data"
         elif isinstance(obj, torch.optim.Optimizer):
             self.optimizers.append(obj)
-            obj.register_step_pre_hook(lambda *_: self.timer.mark("backward"))  # backward and DDP's wait end here
+            obj.register_step_pre_hook(self._stepping)  # backward and DDP's wait end here
             obj.register_step_post_hook(self._stepped)
             base = "optimizer"
         else:
             base = type(obj).__name__.lower()
         self.state.add(name or self.state.next_name(base), obj)
 
+    def _stepping(self, *_) -> None:
+        if self._not_a_step:
+            return
+        self.timer.mark("backward")
+        if self._measure_grads:
+            self._measure_grads = False
+            self.memory = memory_bytes(self.models, self.optimizers)
+
     def _stepped(self, *_) -> None:
+        if self._not_a_step:
+            return
         self.timer.mark("optimizer")
         self.pending = not self.explicit
 
@@ -258,6 +273,25 @@ class Guard:
         self.timer.mark("data")
         self.progress.enter("forward/backward")
 
+    @contextmanager
+    def _state_io(self):
+        """torch's get_state_dict gives an optimizer without state one step at lr 0 to create its state
+        (so that a checkpoint can be loaded into it): that step is not the loop's, and must not count."""
+        self._not_a_step = True
+        try:
+            yield
+        finally:
+            self._not_a_step = False
+
+    def _named(self, kind: type) -> dict[str, Any]:
+        return {n: o for n, o in self.state.objects.items() if isinstance(o, kind)}
+
+    def _sharded(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+        """The registered models and optimizers whose state DCP saves (strategy fsdp); ({}, {}) under ddp."""
+        if self.strategy != "fsdp":
+            return {}, {}
+        return self._named(nn.Module), self._named(torch.optim.Optimizer)
+
     @property
     def epoch(self) -> int:
         """Epochs the first registered loader has completed (0 when none is registered)."""
@@ -287,7 +321,18 @@ class Guard:
             shared, own, meta = ckpt.load(found)
             # Before any state is loaded: the caller may refuse this checkpoint, or say what changed.
             said = check({**meta, "path": str(found.path)}) if check is not None else None
-            notes = self.state.load_state_dict(shared, str(found.path))
+            written = meta.get("strategy", "ddp")
+            if written != self.strategy:
+                raise UserError(f"checkpoint {found.path} was written with strategy {written}; this run uses "
+                                f"{self.strategy}",
+                                f"resume it with strategy {written}, or export its weights (python -m ddp_kit.checkpoint "
+                                f"export) and start a new run_dir from them")
+            models, optimizers = self._sharded()
+            notes = self.state.load_state_dict(shared, str(found.path), skip=frozenset(models) | frozenset(optimizers))
+            if self.strategy == "fsdp":
+                with self._state_io():
+                    load_state_dicts(models, optimizers, ckpt.sharded_keys(found),
+                                     lambda template: ckpt.load_sharded(found, template))
             self.done = self.saved_step = int(shared["loop"]["step"])
             self.resumed_from, self.resumed_path = self.done, found.path
             self.progress.enter("startup", self.done)
@@ -380,8 +425,9 @@ class Guard:
         if pol.sync_check_every and done % pol.sync_check_every == 0:
             with self.collective("sync check"):
                 self.nonfinite.check(self.ctx, self._ckpt)  # NaN weights would read as divergence
-                for model in self.models:
-                    warning = check_consistency(self.ctx, model, done, pol.sync_fix)
+                steps = optimizer_steps(self._named(torch.optim.Optimizer))
+                for i, model in enumerate(self.models):
+                    warning = check_consistency(self.ctx, model, done, pol.sync_fix, extra=steps if i == 0 else [])
                     if warning:
                         self.say(f"ddp_kit: warning: {warning}")
         if save:
@@ -445,15 +491,18 @@ class Guard:
         if not self.state or self.saved_step == self.done:
             return
         self.nonfinite.check(self.ctx, ckpt)  # never save a run whose loss went NaN/inf
-        shared = {**self.state.state_dict(), "loop": {"step": self.done}}
-        meta = {"ddp_kit": __version__, "torch": torch.__version__, **self.meta}
+        models, optimizers = self._sharded()
+        shared = {**self.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": self.done}}
+        with self._state_io():
+            sharded = state_dicts(models, optimizers) if self.strategy == "fsdp" else None
+        meta = {"ddp_kit": __version__, "torch": torch.__version__, "strategy": self.strategy, **self.meta}
         if self.config is not None:
             meta.update(config=self.config, config_hash=config_hash(self.config))
         if self.loaders:
             meta.update(epoch=self.loaders[0].epoch, position=self.loaders[0].position)
         phase = self.progress.phase
         self.progress.enter("checkpoint")
-        ckpt.save(self.done, shared, {"rng": rng_state()}, meta)
+        ckpt.save(self.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
         self.progress.enter(phase)
         self.saved_step = self.done
         self._last_save_t = time.monotonic()
@@ -476,7 +525,11 @@ class Guard:
                 record["samples_per_s"] = (done - s0) * self.loaders[0].global_batch / max(now - t0, 1e-9)
             if self.policy.rank_metrics:
                 per_step = (self.loaders[0].global_batch // ctx.world_size) if self.loaders else 0
-                ranks = gather_ranks(ctx, self.timer.window(), per_step)
+                # Gradients exist between backward and zero_grad: their bytes are the ones seen at the last
+                # measured optimizer step (_stepping), and measured again at the next one.
+                self.memory = {**memory_bytes(self.models, self.optimizers), "grad_bytes": self.memory.get("grad_bytes", 0)}
+                self._measure_grads = True
+                ranks = gather_ranks(ctx, self.timer.window(), per_step, self.memory)
                 if ranks is not None:  # rank 0: per-rank records are per-rank by nature, so they reach it only
                     if len(ranks) <= self.policy.rank_records_max:
                         record["ranks"] = ranks

@@ -50,8 +50,8 @@ def build(cfg: TrainConfig, run: Run) -> Job:
                                                  num_workers=workers, drop_last=True),
                                       grad_accum=cfg.grad_accum, sync_bn=cfg.sync_bn, compile=cfg.compile,
                                       channels_last=cfg.channels_last,
-                                      ddp={"bucket_cap_mb": cfg.bucket_cap_mb, "static_graph": cfg.static_graph},
-                                      device_data=cfg.device_data)
+                                      device_data=cfg.device_data, strategy=cfg.strategy, amp=cfg.amp,
+                                      **_strategy_options(cfg))
     test_loader = run.eval_loader(DataLoader(task.test, batch_size=max(train_loader.micro_batch, 256),
                                              num_workers=workers))
     # Fused on CUDA: one kernel for the whole update, and GradScaler's inf check stays on the device
@@ -75,6 +75,14 @@ def build(cfg: TrainConfig, run: Run) -> Job:
             job.flops_per_sample = model_flops_per_sample(run.unwrap(model), x0)
         job.peak_tflops = peak_tflops(run.device, cfg.amp, cfg.tf32)
     return job
+
+
+def _strategy_options(cfg: TrainConfig) -> dict[str, Any]:
+    if cfg.strategy == "fsdp":
+        blocks = [b.strip() for b in cfg.fsdp_blocks.split(",") if b.strip()] or None
+        return {"fsdp": {"blocks": blocks, "cpu_offload": cfg.fsdp_cpu_offload,
+                         "reshard_after_forward": cfg.fsdp_reshard_after_forward}}
+    return {"ddp": {"bucket_cap_mb": cfg.bucket_cap_mb, "static_graph": cfg.static_graph}}
 
 
 def _schedule(kind: str, total: int):

@@ -104,11 +104,13 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def gather_ranks(ctx: DistContext, window: dict[str, float], samples_per_step: int) -> list[dict] | None:
-    """Every rank's window, on rank 0 only (it logs them and looks for stragglers); None elsewhere."""
+def gather_ranks(ctx: DistContext, window: dict[str, float], samples_per_step: int,
+                 memory: dict[str, int] | None = None) -> list[dict] | None:
+    """Every rank's window, on rank 0 only (it logs them and looks for stragglers); None elsewhere.
+    `memory`: this rank's parameter/gradient/optimizer bytes, when measured."""
     mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), **{k: round(v, 6) for k, v in window.items()},
             "samples_per_s": samples_per_step / window["step_s"] if window["step_s"] > 0 else 0.0,
-            "peak_mem_mb": round(peak_memory_mb(ctx.device), 1)}
+            "peak_mem_mb": round(peak_memory_mb(ctx.device), 1), **(memory or {})}
     return gather_object(ctx, mine)
 
 

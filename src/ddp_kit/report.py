@@ -43,7 +43,7 @@ def plot(records: list[dict], out: Path, title: str) -> None:
 
     train = [r for r in records if r.get("event") == "train"]
     ev = [r for r in records if r.get("event") == "eval"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
     ax = axes[0][0]
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
@@ -72,10 +72,30 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     ax.set_xlabel("step"), ax.set_ylabel("peak memory (MiB)"), ax.set_title("memory (CUDA allocator peak or CPU RSS)")
     if ranks:
         ax.legend()
+    _model_state(axes[2][0], train)
+    axes[2][1].axis("off")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def _model_state(ax, train: list[dict]) -> None:
+    """Each rank's parameter, gradient and optimizer bytes at the last record, stacked: under FSDP
+    about 1/N of what DDP holds on every rank."""
+    last = next((r.get("ranks") for r in reversed(train) if any("param_bytes" in x for x in r.get("ranks") or [])), None)
+    ax.set_title("model state per rank at the last record (FSDP: about 1/N of DDP's)")
+    if not last:
+        ax.text(0.5, 0.5, "no memory figures in metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
+        return
+    ranks = [x["rank"] for x in last]
+    bottom = [0.0] * len(last)
+    for key, label in (("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optim_bytes", "optimizer state")):
+        mib = [x.get(key, 0) / 2**20 for x in last]
+        ax.bar(ranks, mib, bottom=bottom, label=label)
+        bottom = [b + m for b, m in zip(bottom, mib)]
+    ax.set_xlabel("rank"), ax.set_ylabel("MiB"), ax.set_xticks(ranks)
+    ax.legend()
 
 
 def main(run_dir: str) -> None:

@@ -52,13 +52,14 @@ class TrainState:
         target = unwrap(obj) if isinstance(obj, nn.Module) else obj
         return any((unwrap(o) if isinstance(o, nn.Module) else o) is target for o in self.objects.values())
 
-    def state_dict(self) -> dict[str, Any]:
-        return {name: (unwrap(o) if isinstance(o, nn.Module) else o).state_dict() for name, o in self.objects.items()}
+    def state_dict(self, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+        return {name: (unwrap(o) if isinstance(o, nn.Module) else o).state_dict() for name, o in self.objects.items()
+                if name not in skip}
 
-    def load_state_dict(self, shared: dict[str, Any], source: str) -> list[str]:
-        """Restore every registered object from `shared`; returns notes (e.g. a data position that
-        could not be kept). A missing or unfitting entry is a one-line UserError."""
-        missing = [n for n in self.objects if n not in shared]
+    def load_state_dict(self, shared: dict[str, Any], source: str, skip: frozenset[str] = frozenset()) -> list[str]:
+        """Restore every registered object (but `skip`) from `shared`; returns notes (e.g. a data
+        position that could not be kept). A missing or unfitting entry is a one-line UserError."""
+        missing = [n for n in self.objects if n not in shared and n not in skip]
         if missing:
             saved = sorted(k for k in shared if k != "loop")
             raise UserError(f"checkpoint {source} has no state for {', '.join(missing)} (it holds: {', '.join(saved)})",
@@ -66,6 +67,8 @@ class TrainState:
                             "with resume='never' or a new run_dir")
         notes = []
         for name, obj in self.objects.items():
+            if name in skip:
+                continue
             target = unwrap(obj) if isinstance(obj, nn.Module) else obj
             try:
                 note = target.load_state_dict(shared[name])

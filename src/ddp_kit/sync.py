@@ -16,12 +16,14 @@ from torch import nn
 
 from .dist import DistContext, all_same, broadcast_object, gather_object
 from .errors import UserError
+from .fsdp import full_parameters, local
 
 
 def param_sha256(model: nn.Module) -> str:
-    """sha256 over every parameter's bytes, in name order: equal iff the weights are bitwise equal."""
+    """sha256 over every parameter's bytes, in name order: equal iff the weights are bitwise equal.
+    A sharded (FSDP) model's parameters are gathered whole first: every rank must call it."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    for name, p in sorted(full_parameters(model), key=lambda kv: kv[0]):
         h.update(name.encode())
         h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -78,10 +80,25 @@ def _per_rank_buffers(model: nn.Module) -> set[str]:
 
 def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """What must be equal on every rank: every parameter, and every floating buffer except the
-    running statistics of unsynchronised norm layers (SyncBatchNorm's are compared)."""
+    running statistics of unsynchronised norm layers (SyncBatchNorm's are compared).
+
+    Under FSDP a sharded parameter is held once, by the rank that owns each shard: there is no
+    second copy to disagree with, so it is left out; replicated parameters and buffers are compared."""
     skip = _per_rank_buffers(model)
-    return list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
-                                             if b.is_floating_point() and n not in skip]
+    params = [(n, local(p)) for n, p in model.named_parameters()
+              if not any(pl.is_shard() for pl in getattr(p, "placements", ()))]
+    return params + [(n, local(b)) for n, b in model.named_buffers() if b.is_floating_point() and n not in skip]
+
+
+def optimizer_steps(optimizers: dict[str, torch.optim.Optimizer]) -> list[tuple[str, torch.Tensor]]:
+    """Each optimizer's step count (its first parameter's), as a tensor every rank must agree on:
+    under FSDP the one part of the sharded optimizer state that is the same on every rank."""
+    out = []
+    for name, opt in optimizers.items():
+        steps = [s["step"] for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor)]
+        if steps:
+            out.append((f"{name}.step", local(steps[0])))
+    return out
 
 
 # Elements per slice: the float64 working copy stays under 2 x 32 MiB whatever the tensor's size (a
@@ -99,34 +116,43 @@ def _sums(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def checksums(model: nn.Module) -> torch.Tensor:
+def checksums(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """Per tensor: (sum, sum of |x|) in float64, in slices of CHUNK elements (the same order on every
     rank, so equal weights give equal bits). Cheap, and bit-sensitive enough to catch drift."""
-    rows = [_sums(t) for _, t in _state_tensors(model)]
+    device = tensors[0][1].device if tensors else None  # a step count on the CPU joins the weights' device
+    rows = [_sums(t.to(device)) for _, t in tensors]
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
-def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = "error") -> str | None:
-    """Compare parameter/buffer checksums across ranks. On divergence: raise (fix='error') or
-    re-broadcast rank 0's values (fix='broadcast') and return a warning line."""
+def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = "error",
+                      extra: list[tuple[str, torch.Tensor]] = ()) -> str | None:
+    """Compare parameter/buffer checksums (and the `extra` tensors, e.g. optimizer_steps) across
+    ranks. On divergence: raise (fix='error') or re-broadcast rank 0's values (fix='broadcast') and
+    return a warning line."""
     if ctx.world_size == 1:
         return None
-    table = checksums(model).cpu()  # on a GPU, the one device->host read of a sync-check step
+    compared = _state_tensors(model) + list(extra)
+    table = checksums(compared).cpu()  # on a GPU, the one device->host read of a sync-check step
     if all_same(ctx, table.numpy().tobytes()):
         return None
     # Only on a mismatch: rank 0's table goes to every rank (a fixed size per rank), each rank finds
     # its own differing tensors, rank 0 gathers the names and every rank gets the same verdict.
     ref = table.to(ctx.control_device).clone()
     tdist.broadcast(ref, src=0, group=ctx.control_group)
-    names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in _state_tensors(model)]
+    names = [n.removeprefix("module.").removeprefix("_orig_mod.") for n, _ in compared]
     rows = (table != ref.cpu()).any(dim=1).nonzero().flatten().tolist() if ctx.rank else []
     gathered = gather_object(ctx, (ctx.rank, [names[i] for i in rows]) if rows else None)
     bad: dict[int, list[str]] = broadcast_object(ctx, dict(g for g in gathered if g) if ctx.is_main else None)
     where = "; ".join(f"rank {r}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for r, ns in bad.items())
     if fix == "broadcast":
         with torch.no_grad():
-            for _, t in _state_tensors(model):
-                tdist.broadcast(t.data, src=0)
+            for _, t in compared:
+                if t.device.type == "cpu" and ctx.backend == "nccl":  # an optimizer step count under NCCL
+                    held = t.detach().clone()
+                    tdist.broadcast(held, src=0, group=ctx.control_group)
+                    t.copy_(held)
+                else:
+                    tdist.broadcast(t.data, src=0)
         return f"parameters diverged from rank 0 at step {step} ({where}); re-broadcast from rank 0"
     raise UserError(f"parameters diverged across ranks at step {step} (sync check): {where}",
                     "a rank updated its weights differently (non-deterministic code on one rank, a skipped step, "

@@ -102,8 +102,13 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     summary = {"world_size": run.world_size, "steps": run.steps_done, "epochs": job.train_loader.epoch, **result,
                "param_sha256": digest, "param_sha256_all_ranks_equal": True, "config_hash": cfg.hash(),
                "ddp_kit": __version__, "torch": torch.__version__, "backend": run.ctx.backend,
-               "device": str(run.device), "resumed_from_step": int(start) or None}
+               "device": str(run.device), "resumed_from_step": int(start) or None, "strategy": cfg.strategy,
+               "model_state_bytes": run.memory}
     run.write_summary(summary)
+    if run.memory:
+        m = run.memory
+        run.print(f"model state per rank ({cfg.strategy}, rank 0): parameters {m['param_bytes'] / 2**20:.2f} MiB, "
+                  f"gradients {m['grad_bytes'] / 2**20:.2f} MiB, optimizer {m['optim_bytes'] / 2**20:.2f} MiB")
     acc = f", eval accuracy {summary['eval_accuracy']:.4f}" if "eval_accuracy" in summary else ""
     run.print(f"done: {summary['steps']} steps{acc}, eval loss {summary['eval_loss']:.4f} on "
               f"{summary['eval_samples']} samples, {summary['wall_s']:.1f}s, param_sha256 {summary['param_sha256'][:16]}")

@@ -11,19 +11,34 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .dist import DistContext
 from .errors import UserError
+from .fsdp import accumulate, check_strategy, is_sharded, shard
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, compile: bool = False,
                channels_last: bool = False, find_unused_parameters: bool = False,
-               ddp: dict[str, Any] | None = None) -> nn.Module:
-    """Move `model` to the context's device and wrap it in DDP when there is more than one rank.
+               ddp: dict[str, Any] | None = None, strategy: str = "ddp", fsdp: dict[str, Any] | None = None,
+               amp: str = "off") -> nn.Module:
+    """Move `model` to the context's device and wrap it in DDP (strategy "ddp") or shard it with
+    FSDP2 (strategy "fsdp", see fsdp.py) when there is more than one rank.
 
     `ddp`: DDP's own options (bucket_cap_mb, static_graph, gradient_as_bucket_view, ...). By default
     gradients are views into DDP's buckets (gradient_as_bucket_view): one gradient copy less in memory
-    and no copy into the buckets each step."""
+    and no copy into the buckets each step. `fsdp`: fsdp.shard's options (blocks, cpu_offload,
+    reshard_after_forward); `amp` "bf16" gives FSDP its mixed-precision policy."""
+    fsdp = dict(fsdp or {})
+    check_strategy(strategy, sync_bn=sync_bn, amp=amp, cpu_offload=bool(fsdp.get("cpu_offload")), device=ctx.device,
+                   ddp={**(ddp or {}), "find_unused_parameters": find_unused_parameters})
     model = model.to(ctx.device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if strategy == "fsdp":
+        if ctx.world_size > 1:
+            try:
+                model = shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
+            except TypeError as exc:
+                raise UserError(f"fsdp options {sorted(fsdp)} not understood: {exc}",
+                                "known: blocks, cpu_offload, reshard_after_forward") from None
+        return torch.compile(model) if compile else model
     if sync_bn and ctx.world_size > 1:
         if ctx.device.type == "cpu":  # torch's SyncBatchNorm raises on CPU tensors at the first forward
             raise UserError("sync_bn needs GPUs: torch's SyncBatchNorm does not run on CPU with more than one rank",
@@ -63,7 +78,7 @@ def kernel_settings(device: torch.device, *, tf32: bool = True, cudnn_benchmark:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's own module under any DDP / torch.compile wrappers."""
+    """The user's own module under any DDP / torch.compile wrappers (FSDP2 shards the module in place)."""
     while True:
         if isinstance(model, DDP):
             model = model.module
@@ -74,7 +89,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def sync_gradients(model: nn.Module, sync: bool):
-    """Context for one micro-step: skip DDP's all-reduce unless `sync` (the last micro-step)."""
+    """Context for one micro-step: skip DDP's all-reduce (FSDP's reduce-scatter and reshard) unless
+    `sync` (the last micro-step)."""
+    if is_sharded(model):
+        return accumulate(unwrap(model), sync)
     inner = unwrap_ddp(model)
     if sync or inner is None:
         return nullcontext()
