@@ -38,6 +38,7 @@ from .ckpt_folder import MANIFEST, choose, latest_name, point_latest, step_numbe
 from .dist import DistContext, all_true, rank0_verdict
 from .durable import fsync_dir, write_durable
 from .errors import UserError
+from .fsdp import local
 from .staging import HostBuffer, snapshot, tensors_in, to_host
 
 
@@ -98,7 +99,7 @@ class Checkpointer:
         self.wait()  # a second save waits for the first
         if sharded is not None:
             bad = [f"{name}.{k}" for name, st in sharded.items()  # flat (a model's); an optimizer's is nested
-                   for k in nonfinite_tensors({k: _local(v) for k, v in st.items()})]
+                   for k in nonfinite_tensors({k: local(v) for k, v in st.items()})]
             if not all_true(self.ctx, not bad):  # shards differ: the ranks agree on one verdict
                 raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite"
                                 f"{f' ({bad[0]} on rank {self.ctx.rank})' if bad else ' (on another rank)'}; last "
@@ -343,10 +344,6 @@ def _file_digest(f: Path) -> dict:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             sha.update(chunk)
     return {"size": f.stat().st_size, "sha256": sha.hexdigest()}
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _disk_full(exc: BaseException | None) -> bool:
