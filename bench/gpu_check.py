@@ -12,6 +12,9 @@ its reason and the others still run. Parts:
                 steady-state steps and at log / sync-check events
   checkpoint    the training thread's blocking time of ddp_kit's async save against torch.save
   oom_report    `python -m ddp_kit.train` under a memory-fraction cap: the OOM report is printed
+  fsdp_fit      a model that does not fit without FSDP: bench/big_model.py (6.6 GB of weights,
+                gradients and AdamW state) on the GPU capped at 3 GiB; DDP runs out of memory,
+                --strategy fsdp --fsdp_cpu_offload true trains, checkpoints and evaluates
   doctor        `python -m ddp_kit.doctor --json --memory --comm`
   straggler     2 ranks on the one GPU (gloo), rank 1's GPU slowed with torch.cuda._sleep
                 (bench/gpu_straggler.py): the straggler warning names rank 1
@@ -231,6 +234,38 @@ def oom_report() -> dict:
     return {"ok": res.get("rc") not in (0, None) and named, "rc": res.get("rc"), "lines": lines[:12]}
 
 
+FIT_GIB = 3.0  # the simulated smaller GPU: below big_model's 6.6 GB of weights + gradients + AdamW state
+
+
+def fsdp_fit(steps: int = 4) -> dict:
+    """A model that does not fit without FSDP: bench/big_model.py (415M parameters, 6.6 GB of fp32
+    weights, gradients and AdamW state) on a GPU capped at FIT_GIB (set_per_process_memory_fraction,
+    a smaller GPU simulated on the one we have). DDP must run out of memory and say so; FSDP with
+    --fsdp_cpu_offload (world 1: the shards and the optimizer step live in host memory, one block's
+    weights at a time on the GPU) must train, checkpoint (DCP, from host memory) and evaluate."""
+    import torch
+    fraction = FIT_GIB * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    args = ["--model", "big_model:deep_mlp", "--dataset", "synthetic", "--synthetic_size", "1024",
+            "--batch_size", "64", "--max_steps", str(steps), "--log_every", "1", "--progress", "false"]
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    out: dict = {"cap_gib": FIT_GIB}
+    for name, extra in (("ddp", []), ("fsdp", ["--strategy", "fsdp", "--fsdp_cpu_offload", "true"])):
+        with tempfile.TemporaryDirectory() as d:
+            res = _sub([sys.executable, "-c", OOM_SCRIPT, str(fraction), *args, *extra, "--run_dir", d], 480, env)
+            records = [json.loads(line) for line in Path(d, "metrics.jsonl").read_text().splitlines()] \
+                if Path(d, "metrics.jsonl").exists() else []
+        ranks = [r["ranks"][0] for r in records if r.get("event") == "train" and "ranks" in r]
+        oom = "out of memory" in res.get("stderr", "").lower()
+        out[name] = {"rc": res.get("rc"), "oom": oom, "s": res.get("s"),
+                     "peak_mem_mb": max((r["peak_mem_mb"] for r in ranks), default=None),
+                     "step_s": ranks[-1]["step_s"] if ranks else None,
+                     "state_bytes": (ranks[-1].get("param_bytes", 0) + ranks[-1].get("grad_bytes", 0)
+                                     + ranks[-1].get("optim_bytes", 0)) if ranks else None,
+                     "tail": res.get("stderr", "")[-600:]}
+    out["ok"] = out["ddp"]["rc"] not in (0, None) and out["ddp"]["oom"] and out["fsdp"]["rc"] == 0
+    return out
+
+
 def straggler() -> dict:
     res = _sub([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 str(HERE / "gpu_straggler.py")], 240)
@@ -259,6 +294,9 @@ ROWS = {  # a passed part's row in BENCHMARKS.md: (what, result)
                              f"async {c['async_block_ms']:.1f} ms vs torch.save {c['torch_save_ms']:.1f} ms (ratio "
                              f"{c['ratio']:.3f}); model.pt loads without a GPU: {c['model_pt_loads_without_gpu']}"),
     "straggler": lambda s: ("straggler on the GPU (rank 1 slowed)", f"named: {s['lines'][0]}"),
+    "fsdp_fit": lambda f: (f"415M-parameter model (6.6 GB of state) on a GPU capped at {f['cap_gib']:.0f} GiB",
+                           f"DDP: out of memory (rc {f['ddp']['rc']}); FSDP + CPU offload: trains, peak GPU "
+                           f"{f['fsdp']['peak_mem_mb']} MB, {f['fsdp']['step_s']} s/step"),
 }
 
 
@@ -283,7 +321,7 @@ def main(out: str = str(HERE / "gpu_results.json"), steps: int = 200, rounds: in
         return
     parts = {"pytest_cuda": pytest_cuda, "step_ratio": lambda: step_ratio(steps, rounds),
              "host_syncs": host_syncs, "checkpoint": checkpoint, "straggler": straggler, "oom_report": oom_report,
-             "doctor": doctor}
+             "fsdp_fit": fsdp_fit, "doctor": doctor}
     wanted = [p for p in (only.split(",") if only else parts) if p]
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in wanted:
