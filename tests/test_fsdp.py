@@ -6,12 +6,16 @@ reduce-scatters them; with gloo the sums may be taken in another order, which mo
 results in the last bits, and 30 steps of AdamW do not grow that past 1e-5 on this model.
 """
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import HELPERS, ok, read_json, run_cmd, torchrun
+from conftest import HELPERS, ROOT, ok, proc_env, read_json, run_cmd, torchrun
+from test_preempt import wait_step
 
 # 2 epochs of 22 steps (digits, global batch 64); a checkpoint every 5 steps puts resumes mid-epoch.
 BASE = ["-m", "ddp_kit.train", "--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5",
@@ -87,6 +91,58 @@ def test_fsdp_sigkill_under_max_restarts_resumes_to_the_same_weights(tmp_path, r
 
 
 @pytest.mark.slow
+def test_fsdp_preemption_checkpoints_and_the_same_command_resumes_to_the_same_weights(tmp_path, runs):
+    """SIGTERM (by PID, to the torchrun agent we started) mid-epoch: every rank finishes its step, writes
+    its shard of a sharded checkpoint and exits; the same command resumes from it and ends with the
+    uninterrupted run's weights, bit for bit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *BASE,
+           "--run_dir", str(tmp_path), "--strategy", "fsdp", "--ckpt_every", "100"]
+    p = subprocess.Popen([*cmd, "--inject", "slow:rank=0:step=1:ms=100"], cwd=ROOT, env=proc_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_step(tmp_path, 8, p)
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert "preempted by SIGTERM" in err and "exiting with 75" in err, err[-2000:]
+    saved = sorted(int(d.name[5:]) for d in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved and 8 <= saved[-1] < 44, saved  # mid-run: the last step is 44 (2 epochs of 22)
+    assert (tmp_path / "checkpoints" / f"step_{saved[-1]}" / "dcp" / ".metadata").exists()
+    rerun = ok(run_cmd(cmd, timeout=240))
+    assert "resumed from" in rerun.stdout, rerun.stdout[-2000:]
+    summary = read_json(tmp_path / "summary.json")
+    assert summary["resumed_from_step"] == saved[-1]
+    assert summary["param_sha256"] == read_json(runs / "fsdp2" / "summary.json")["param_sha256"]
+
+
+@pytest.mark.slow
+def test_fsdp_hang_is_diagnosed_by_the_watchdog(tmp_path):
+    """Rank 1 stops at step 7; rank 0 waits in FSDP's next all-gather. The watchdog names rank 1 and
+    where it was, and every process exits non-zero."""
+    res = torchrun([*BASE, "--run_dir", str(tmp_path), "--strategy", "fsdp", "--inject", "hang:rank=1:step=7",
+                    "--hang_timeout_s", "8", "--collective_timeout_s", "60"], timeout=150)
+    lines = [line for line in res.stderr.splitlines() if line.startswith(("ddp_kit:", "  rank"))]
+    assert res.returncode != 0, res.stderr[-2000:]
+    assert any("hang: no progress" in line and "Lagging: rank 1" in line for line in lines), lines
+    assert any(line.strip().startswith("rank 1") and "after step" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_fsdp_with_torch_compile_follows_the_eager_loss(tmp_path, runs):
+    """--compile true under FSDP (the model is compiled after fully_shard): the same losses as eager
+    FSDP within 1e-5 relative, which a wrong wrap order or a graph break that skipped a collective
+    would not give."""
+    train(tmp_path, 2, "--strategy", "fsdp", "--compile", "true")
+    eager, compiled = records(runs / "fsdp2"), records(tmp_path)
+    assert [r["step"] for r in eager] == [r["step"] for r in compiled]
+    for a, b in zip(eager, compiled):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+    assert read_json(tmp_path / "summary.json")["param_sha256_all_ranks_equal"]
+
+
+@pytest.mark.slow
 def test_a_4_rank_checkpoint_resumes_on_2_ranks_past_a_damaged_shard(tmp_path, runs):
     """4 ranks die at step 17; step_15's rank-3 shard is then damaged: 2 ranks fall back to step_10,
     reshard its weights and optimizer state, keep the data position, and end as the 2-rank run does."""
@@ -101,6 +157,21 @@ def test_a_4_rank_checkpoint_resumes_on_2_ranks_past_a_damaged_shard(tmp_path, r
     assert "written by 4 rank(s), resumed on 2" in res.stdout
     summary, ref = read_json(tmp_path / "summary.json"), read_json(runs / "fsdp2" / "summary.json")
     assert summary["resumed_from_step"] == 10 and summary["steps"] == ref["steps"]
+    assert summary["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_one_process_fsdp_run_checkpoints_shards_that_2_ranks_resume(tmp_path, runs):
+    """`python -m ddp_kit.train --strategy fsdp` (one process, no torchrun) shards over a mesh of one
+    and writes DCP checkpoints; it dies at step 17, 2 ranks resume step 15 and end as the 2-rank run
+    does (the same global batch: the same recipe)."""
+    res = train(tmp_path, 1, "--strategy", "fsdp", "--inject", "kill:rank=0:step=17", expect_ok=False)
+    assert res.returncode != 0
+    assert (tmp_path / "checkpoints" / "step_15" / "dcp" / "__0_0.distcp").exists()
+    res = train(tmp_path, 2, "--strategy", "fsdp")
+    assert "written by 1 rank(s), resumed on 2" in res.stdout, res.stdout[-2000:]
+    summary, ref = read_json(tmp_path / "summary.json"), read_json(runs / "fsdp2" / "summary.json")
+    assert summary["resumed_from_step"] == 15 and summary["steps"] == ref["steps"]
     assert summary["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELPERS, ROOT, ok, proc_env, read_json, run_cmd, torchrun
+from conftest import HELPERS, ROOT, ok, proc_env, run_cmd, torchrun
 
 FAST = ["--progress", "false", "--log_every", "5"]
 

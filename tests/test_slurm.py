@@ -235,8 +235,8 @@ def test_config_file_on_one_node_only(cluster, tmp_path):
 
 def test_run_dir_not_shared_between_nodes(cluster, tmp_path):
     """run_dir on each node's local disk: refused at startup in one line, before any training step."""
-    info, text = _wrap_job(cluster, tmp_path, f'srun "$PYTHON" -m ddp_kit.train --run_dir "$NL/run" --progress false '
-                                              f'--epochs 1')
+    info, text = _wrap_job(cluster, tmp_path, 'srun "$PYTHON" -m ddp_kit.train --run_dir "$NL/run" --progress false '
+                                              '--epochs 1')
     errs = [ln for ln in text.splitlines() if ln.startswith("ddp_kit: error:")]
     assert info["JobState"] == "FAILED" and len(errs) == 1, text
     assert "is not one shared folder" in errs[0] and "node2" in errs[0] and "Traceback" not in text, text

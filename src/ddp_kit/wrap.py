@@ -32,12 +32,13 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, com
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if strategy == "fsdp":
-        if ctx.world_size > 1:
-            try:
-                model = shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
-            except TypeError as exc:
-                raise UserError(f"fsdp options {sorted(fsdp)} not understood: {exc}",
-                                "known: blocks, cpu_offload, reshard_after_forward") from None
+        # Sharded at world 1 too (a mesh of one): the debug run takes the code path of N ranks, and
+        # cpu_offload lets one GPU train a model whose state does not fit on it.
+        try:
+            model = shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
+        except TypeError as exc:
+            raise UserError(f"fsdp options {sorted(fsdp)} not understood: {exc}",
+                            "known: blocks, cpu_offload, reshard_after_forward") from None
         return torch.compile(model) if compile else model
     if sync_bn and ctx.world_size > 1:
         if ctx.device.type == "cpu":  # torch's SyncBatchNorm raises on CPU tensors at the first forward
