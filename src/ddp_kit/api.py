@@ -58,6 +58,7 @@ class Run:
         self._closed = False
         self.split_batches = split_batches
         self.seed = seed
+        self._uneven_eval = False  # an eval loader split for DDP exists (FSDP needs even batch counts)
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -85,6 +86,11 @@ class Run:
         the models and the optimizers over their parameters are then sharded (DCP): create the
         optimizer from the model this returns."""
         if strategy == "fsdp" and any(isinstance(o, nn.Module) for o in objs):
+            if self._uneven_eval:
+                raise UserError("run.eval_loader was called before run.prepare(model, strategy='fsdp'): its batches "
+                                "were split for DDP, and under FSDP ranks with fewer eval batches would leave the "
+                                "others waiting in an all-gather", "call run.prepare on the model first, then "
+                                "run.eval_loader")
             self._guard.strategy = "fsdp"
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
@@ -142,6 +148,7 @@ class Run:
                             num_workers=loader.num_workers, pin_memory=self.device.type == "cuda",
                             collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
                             even_batches=self._guard.strategy == "fsdp")
+        self._uneven_eval = self._uneven_eval or (self._guard.strategy != "fsdp" and self.world_size > 1)
         return _Announced(shard, lambda: self._guard.heartbeat("eval"))
 
     def _sampling(self, loader: DataLoader) -> tuple[Dataset, bool, int]:

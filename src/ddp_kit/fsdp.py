@@ -25,6 +25,7 @@ from torch import nn
 from .errors import UserError
 
 STRATEGIES = ("ddp", "fsdp")
+FSDP_OPTIONS = ("blocks", "cpu_offload", "reshard_after_forward")  # shard()'s keyword options
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -184,13 +185,11 @@ def memory_bytes(models: Iterable[nn.Module], optimizers: Iterable[torch.optim.O
             "optim_bytes": nbytes(v for opt in optimizers for s in opt.state.values() for v in s.values())}
 
 
-def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter whole, on every rank (an all-gather per sharded tensor: collective). Shards
-    offloaded to the CPU are gathered on the mesh's device: NCCL cannot gather CPU tensors."""
-    out = []
-    for n, p in model.named_parameters():
-        if hasattr(p, "full_tensor"):
-            mesh_type = p.device_mesh.device_type
-            p = (p.to(mesh_type) if p.device.type != mesh_type else p).full_tensor()
-        out.append((n, p))
-    return out
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """`p` whole, on every rank (an all-gather when it is sharded: collective, every rank must call
+    it for the same tensor). Shards offloaded to the CPU are gathered on the mesh's device: NCCL
+    cannot gather CPU tensors."""
+    if not hasattr(p, "full_tensor"):
+        return p
+    mesh_type = p.device_mesh.device_type
+    return (p.to(mesh_type) if p.device.type != mesh_type else p).full_tensor()

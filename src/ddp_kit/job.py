@@ -45,7 +45,7 @@ def build(cfg: TrainConfig, run: Run) -> Job:
     workers = auto if cfg.num_workers < 0 else cfg.num_workers
     task = build_task(cfg.model, cfg.model_args, cfg.dataset, cfg.dataset_args, cfg.loss, seed=cfg.seed,
                       data_root=cfg.data_root, download=cfg.download, synthetic_size=cfg.synthetic_size)
-    model, train_loader = run.prepare(task.model.to(run.device),
+    model, train_loader = run.prepare(task.model,  # prepare places it (FSDP: shard by shard)
                                       DataLoader(task.train, batch_size=cfg.batch_size, shuffle=True,
                                                  num_workers=workers, drop_last=True),
                                       grad_accum=cfg.grad_accum, sync_bn=cfg.sync_bn, compile=cfg.compile,

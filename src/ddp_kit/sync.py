@@ -16,16 +16,19 @@ from torch import nn
 
 from .dist import DistContext, all_same, broadcast_object, gather_object
 from .errors import UserError
-from .fsdp import full_parameters, local
+from .fsdp import full_tensor, local
 
 
 def param_sha256(model: nn.Module) -> str:
     """sha256 over every parameter's bytes, in name order: equal iff the weights are bitwise equal.
-    A sharded (FSDP) model's parameters are gathered whole first: every rank must call it."""
+    A sharded (FSDP) model's parameters are gathered whole, one at a time (never the whole model on
+    one device): every rank must call it."""
     h = hashlib.sha256()
-    for name, p in sorted(full_parameters(model), key=lambda kv: kv[0]):
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         h.update(name.encode())
-        h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        whole = full_tensor(p.detach())
+        h.update(whole.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        del whole
     return h.hexdigest()
 
 

@@ -100,7 +100,9 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
         raise UserError(f"final parameters differ across ranks: ranks {differ} disagree with this one",
                         "a rank desynchronised; rerun with the sync checks on to find where")
     summary = {"world_size": run.world_size, "steps": run.steps_done, "epochs": job.train_loader.epoch, **result,
-               "param_sha256": digest, "param_sha256_all_ranks_equal": True, "config_hash": cfg.hash(),
+               "param_sha256": digest, "config_hash": cfg.hash(),
+               # Under FSDP every rank hashes the same gathered weights: equal by construction, so no verdict.
+               "param_sha256_all_ranks_equal": None if cfg.strategy == "fsdp" else True,
                "ddp_kit": __version__, "torch": torch.__version__, "backend": run.ctx.backend,
                "device": str(run.device), "resumed_from_step": int(start) or None, "strategy": cfg.strategy,
                "model_state_bytes": run.memory}

@@ -11,15 +11,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .dist import DistContext
 from .errors import UserError
-from .fsdp import accumulate, check_strategy, is_sharded, shard
+from .fsdp import FSDP_OPTIONS, accumulate, check_strategy, is_sharded, shard
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, compile: bool = False,
                channels_last: bool = False, find_unused_parameters: bool = False,
                ddp: dict[str, Any] | None = None, strategy: str = "ddp", fsdp: dict[str, Any] | None = None,
                amp: str = "off") -> nn.Module:
-    """Move `model` to the context's device and wrap it in DDP (strategy "ddp") or shard it with
-    FSDP2 (strategy "fsdp", see fsdp.py) when there is more than one rank.
+    """Move `model` to the context's device and wrap it in DDP when there is more than one rank
+    (strategy "ddp"), or shard it with FSDP2 over every rank, one included (strategy "fsdp", fsdp.py).
 
     `ddp`: DDP's own options (bucket_cap_mb, static_graph, gradient_as_bucket_view, ...). By default
     gradients are views into DDP's buckets (gradient_as_bucket_view): one gradient copy less in memory
@@ -28,18 +28,19 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, com
     fsdp = dict(fsdp or {})
     check_strategy(strategy, sync_bn=sync_bn, amp=amp, cpu_offload=bool(fsdp.get("cpu_offload")), device=ctx.device,
                    ddp={**(ddp or {}), "find_unused_parameters": find_unused_parameters})
-    model = model.to(ctx.device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if strategy == "fsdp":
-        # Sharded at world 1 too (a mesh of one): the debug run takes the code path of N ranks, and
-        # cpu_offload lets one GPU train a model whose state does not fit on it.
-        try:
-            model = shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
-        except TypeError as exc:
-            raise UserError(f"fsdp options {sorted(fsdp)} not understood: {exc}",
-                            "known: blocks, cpu_offload, reshard_after_forward") from None
+        # Not moved whole: fully_shard moves one unit at a time to the device and keeps only its
+        # shard there (or in host memory under cpu_offload), so the whole model never has to fit on
+        # one GPU. Sharded at world 1 too (a mesh of one): the debug run takes the code path of N
+        # ranks, and cpu_offload lets one GPU train a model whose state does not fit on it.
+        unknown = sorted(set(fsdp) - set(FSDP_OPTIONS))
+        if unknown:
+            raise UserError(f"fsdp options {unknown} not understood", f"known: {', '.join(FSDP_OPTIONS)}")
+        model = shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
         return torch.compile(model) if compile else model
+    model = model.to(ctx.device)
     if sync_bn and ctx.world_size > 1:
         if ctx.device.type == "cpu":  # torch's SyncBatchNorm raises on CPU tensors at the first forward
             raise UserError("sync_bn needs GPUs: torch's SyncBatchNorm does not run on CPU with more than one rank",
