@@ -137,14 +137,23 @@ def test_resume_never_and_explicit_path(tmp_path, reference):
     assert bad.returncode == 2 and "cannot be resumed: no manifest" in bad.stderr and "Traceback" not in bad.stderr
 
 
+# A constant LR: a resume that changes max_steps then computes exactly what an uninterrupted run does.
+CONST = ("--keep_last", "0", "--lr_schedule", "constant")
+
+
+@pytest.fixture(scope="module")
+def constant_lr_reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("const")
+    job(d, 1, *CONST)
+    return read_json(d / "summary.json")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("restart", ["never", "older"])
-def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, reference, restart):
+def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, constant_lr_reference, restart):
     """A run abandoned at step 20 (by --resume never, or by resuming from its step 5) must not be
     picked up again by the next crash's auto-resume: `latest` wins, higher steps are archived."""
-    # A constant LR: a resume that changes max_steps then computes exactly what an uninterrupted run does.
-    const = ("--keep_last", "0", "--lr_schedule", "constant")
-    job(tmp_path / "ref", 1, *const)
+    const = CONST
     run = tmp_path / "run"
     job(run, 1, *const, "--inject", "kill:rank=0:step=21", expect_ok=False)  # leaves step_5 .. step_20
     if restart == "never":  # a fresh start that crashes at step 13
@@ -159,7 +168,7 @@ def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, reference, re
         sorted(p.name for p in ckpts.iterdir())
     res = job(run, 1, *const)  # auto: continues the restarted run, not the abandoned step 20
     assert f"checkpoints/step_{own} " in res.stdout, res.stdout
-    assert read_json(run / "summary.json")["param_sha256"] == read_json(tmp_path / "ref" / "summary.json")["param_sha256"]
+    assert read_json(run / "summary.json")["param_sha256"] == constant_lr_reference["param_sha256"]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["event"] == "train"]
     assert steps == sorted(set(steps)), f"metrics.jsonl repeats steps after a resume: {steps}"

@@ -3,6 +3,7 @@ learnable synthetic set, and MNIST / CIFAR-10 read from a local folder in torchv
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -18,10 +19,30 @@ class DataSpec:
     num_classes: int
 
 
-def _digits(seed: int) -> DataSpec:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+def _load_digits():
+    """scikit-learn's bundled 8x8 digits as (x float64 [1797, 64], y int64), read from the file it
+    ships: importing sklearn costs 1-2 s of every process's startup (scipy comes with it), more than
+    the whole default job trains. load_digits is the fallback should a release move the file."""
+    import importlib.util
 
-    x, y = load_digits(return_X_y=True)
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise UserError("the default dataset (digits) ships with scikit-learn, which is not installed",
+                        "pip install scikit-learn, or choose --dataset synthetic")
+    for root in spec.submodule_search_locations or ():
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    return load_digits(return_X_y=True)
+
+
+def _digits(seed: int) -> DataSpec:
+    x, y = _load_digits()  # bundled with scikit-learn: no download
     x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     x = (x - 0.3) / 0.4
     y = torch.tensor(y, dtype=torch.long)
