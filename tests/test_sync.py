@@ -11,9 +11,17 @@ COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG),
 
 
 def faulty(tmp_path, spec):
-    t0 = time.monotonic()
+    """The job's result, and the seconds from the ranks' meeting to the end of every process.
+
+    Timed from rank 0's config.yaml (written once the ranks have met, before the model is built), not
+    from the launch: process start and torch's import take from 6 s on an idle machine to over 15 s
+    when the other test worker is busy, and that is not what these bounds are about."""
     res = torchrun(["-m", "ddp_kit.train", *COMMON, "--run_dir", str(tmp_path), "--inject", spec], timeout=120)
-    return res, time.monotonic() - t0
+    started = tmp_path / "config.yaml"
+    assert started.exists(), f"the ranks never met\n{res.stderr[-3000:]}"
+    took = time.time() - started.stat().st_mtime
+    print(f"{spec}: exit {res.returncode}, {took:.1f}s after the ranks met")
+    return res, took
 
 
 def ours(res):
@@ -34,7 +42,9 @@ def test_a_extra_collective(tmp_path):
     text = "\n".join(ours(res))
     # gloo either aborts rank 1 (size mismatch) or the ranks hang; both must name rank 1 and where it was
     assert ("rank 1 crashed" in text and "after step" in text) or ("Lagging: rank 1" in text and "after step" in text), text
-    assert took < HANG + 10 + 15  # torchrun start-up included
+    # Model build and 5 steps, the hang timeout, the poll and the teardown: under the collective
+    # timeout (60 s), which is what would end a hang the watchdog missed.
+    assert took < HANG + 25, took
 
 
 @pytest.mark.slow
@@ -46,7 +56,7 @@ def test_b_hang(tmp_path):
     assert any(line.strip().startswith("rank 1") and "after step" in line for line in lines), lines
     assert (tmp_path / "hang" / "rank0.txt").exists() and (tmp_path / "hang" / "rank1.txt").exists()
     assert "faults.py" in (tmp_path / "hang" / "rank1.txt").read_text()
-    assert took < HANG + 10 + 15
+    assert took < HANG + 25, took  # 15 s on an idle machine
 
 
 @pytest.mark.slow
@@ -57,7 +67,7 @@ def test_c_raise(tmp_path):
     originals = [line for line in lines if line.startswith("ddp_kit: error: rank 1 failed at step 5 in after step")]
     assert len(originals) == 1, lines
     assert res.stderr.count("injected fault: rank 1 raises") >= 1
-    assert took < 60 + 15
+    assert took < 30, took  # fail-fast: 3 s on an idle machine, not the 60 s collective timeout
 
 
 @pytest.mark.slow
