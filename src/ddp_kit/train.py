@@ -95,14 +95,16 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     run.save()  # the final checkpoint; returns at once if this step is already saved
     run.heartbeat("finish")
     digest = param_sha256(run.unwrap(job.model))
-    differ = [r for r, d in enumerate(run.gather(digest)) if d != digest]
+    # Under FSDP every rank hashes the same gathered weights: equal by construction, so no exchange
+    # and no verdict (null in the summary).
+    sharded = cfg.strategy == "fsdp"
+    differ = [] if sharded else [r for r, d in enumerate(run.gather(digest)) if d != digest]
     if differ:
         raise UserError(f"final parameters differ across ranks: ranks {differ} disagree with this one",
                         "a rank desynchronised; rerun with the sync checks on to find where")
     summary = {"world_size": run.world_size, "steps": run.steps_done, "epochs": job.train_loader.epoch, **result,
                "param_sha256": digest, "config_hash": cfg.hash(),
-               # Under FSDP every rank hashes the same gathered weights: equal by construction, so no verdict.
-               "param_sha256_all_ranks_equal": None if cfg.strategy == "fsdp" else True,
+               "param_sha256_all_ranks_equal": None if sharded else True,
                "ddp_kit": __version__, "torch": torch.__version__, "backend": run.ctx.backend,
                "device": str(run.device), "resumed_from_step": int(start) or None, "strategy": cfg.strategy,
                "model_state_bytes": run.memory}
