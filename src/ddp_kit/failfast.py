@@ -22,12 +22,18 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from .env import poll_period
+from .errors import UserError
 
 EXIT_PEER_FAILED = 1
 FAILED_KEY = "ddp_kit/failed"
 # How long the process hosting the store (rank 0 outside torchrun) stays after a failure is posted:
 # once it exits the store is gone, and ranks that had not polled yet would see only a broken socket.
 LINGER_S = 1.5
+# A failure every rank reaches at once (a UserError that is not local: a sync check's verdict, a
+# startup disagreement) is printed by the rank that posted it. The others raise the same error a
+# moment later and stay silent; their fail-fast thread gives them this long to get there before it
+# says "stopping" itself, which would print the cause a second time.
+ECHO_GRACE_S = 10.0
 
 
 def store_prefix(restart_count: int) -> str:
@@ -41,7 +47,7 @@ def post(store, rank: int, step: int, phase: str, err: BaseException) -> dict | 
     if store is None:
         return None
     mine = json.dumps({"rank": rank, "host": socket.gethostname(), "step": step, "phase": phase,
-                       "error": _describe(err)})
+                       "error": _describe(err), "everywhere": isinstance(err, UserError) and not err.local})
     try:
         return json.loads(store.compare_set(FAILED_KEY, "", mine) or mine)
     except Exception:
@@ -127,6 +133,8 @@ class FailFast:
             except Exception:
                 return  # the store went away: the job is ending anyway
             if failed and not self._stop.is_set():
+                if failed.get("everywhere") and self._stop.wait(ECHO_GRACE_S):
+                    return  # this rank reached the same verdict and handles it itself
                 say_stop(self.rank, failed)
                 time.sleep(self.linger_s)
                 os._exit(EXIT_PEER_FAILED)
