@@ -40,15 +40,18 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, env: dict | 
     return run_cmd(cmd, timeout=timeout, env=env)
 
 
-def since_ranks_met(run_dir: Path, res: subprocess.CompletedProcess | None = None) -> float:
-    """Seconds from the ranks' meeting to now (the job has ended): timed from rank 0's config.yaml,
-    written once the ranks have met and before the model is built, not from the launch. Process start
+def since_ranks_met(run_dir: Path, res: subprocess.CompletedProcess | None = None, marker: str = "config.yaml") -> float:
+    """Seconds from the ranks' meeting to now (the job has ended): timed from a file rank 0 writes once
+    the ranks have met and before the model is built (config.yaml; .lock for a script that passes no
+    config to ddp_kit.init), not from the launch. Process start
     and torch's import take from 6 s on an idle machine to over 20 s when the other test worker is
     busy, and that is not what a bound on a watchdog or a fail-fast is about."""
     import time
-    started = Path(run_dir) / "config.yaml"
+    started = Path(run_dir) / marker
     assert started.exists(), f"the ranks never met\n{res.stderr[-3000:] if res else ''}"
-    return time.time() - started.stat().st_mtime
+    took = time.time() - started.stat().st_mtime
+    print(f"{took:.1f}s from the ranks' meeting ({marker}) to the end of the job")
+    return took
 
 
 def read_json(path: Path) -> dict:

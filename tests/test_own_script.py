@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import HELPERS, ROOT, ok, proc_env, run_cmd
+from conftest import HELPERS, ROOT, ok, proc_env, run_cmd, since_ranks_met
 from test_reliability import finish, wait_for, workers
 
 INJECT = str(HELPERS / "inject.py")
@@ -100,11 +99,10 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, n
 def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
     hang = 8
     p = launch(tmp_path, "function", f"stall:rank=1:step=10,init:hang_timeout_s={hang}")
-    t0 = time.monotonic()
     out, err = finish(p, timeout=120)
-    took = time.monotonic() - t0
     assert "Lagging: rank 1." in err, err[-3000:]
-    assert took < 30 + hang + 10, took  # startup (~30 s at most here), then hang_timeout + 10 s
+    took = since_ranks_met(tmp_path / "runs/digits", marker=".lock")
+    assert took < hang + 20, took  # 10 steps, then hang_timeout, then the report (a few watchdog polls)
     assert (tmp_path / "runs/digits/hang/rank1.txt").exists()
 
 
