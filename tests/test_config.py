@@ -190,6 +190,14 @@ def test_dry_run_prints_resolved_config(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h", "--help_config"])
+def test_help_lists_every_config_key(flag, tmp_path):
+    res = ok(_train(flag, cwd=tmp_path))
+    assert res.stdout.startswith("python -m ddp_kit.train"), res.stdout[:500]
+    missing = [k for k in TrainConfig.__dataclass_fields__ if f"  {k} " not in res.stdout]
+    assert not missing and not res.stderr.strip() and not list(tmp_path.iterdir()), (missing, res.stderr)
+
+
 # ---- resuming with a changed recipe ----------------------------------------------------------------
 
 def test_recipe_changes_split_refused_and_allowed():

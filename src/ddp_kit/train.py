@@ -127,12 +127,14 @@ def cli(config: str | None = None, dry_run: bool = False, help_config: bool = Fa
     scripts use it to refuse a bad config before torchrun starts any worker.
     """
     rank, env = 0, None
+    # `--help` is what a user types first; fire hands it to **flags like any other key
+    help_config = help_config or bool(flags.pop("help", False)) or bool(flags.pop("h", False))
     try:
         env = detect()
         rank = env.rank
         if help_config:
             if env.is_main:
-                print(help_text())
+                print(f"{cli.__doc__.splitlines()[0]}\n\n{help_text()}")
             return
         cfg = resolve(config, flags)
         if dry_run:
