@@ -190,6 +190,23 @@ def test_dry_run_prints_resolved_config(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_comma_list_flag_survives_fire(tmp_path):
+    """fire turns `--fsdp_blocks Block,Embedding` into a tuple; the key still gets the comma list."""
+    res = ok(_train("--dry_run", "--strategy", "fsdp", "--fsdp_blocks", "Linear,ReLU", "--run_dir", str(tmp_path / "r")))
+    assert "fsdp_blocks: Linear,ReLU" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("flags,named", [({"fsdp_reshard_after_forward": "false"}, ["--fsdp_reshard_after_forward"]),
+                                         ({"fsdp_blocks": "Block"}, ["--fsdp_blocks"]),
+                                         ({"fsdp_blocks": "Block", "fsdp_cpu_offload": "true"},
+                                          ["--fsdp_blocks", "--fsdp_cpu_offload"])])
+def test_fsdp_options_under_ddp_name_what_was_given(flags, named):
+    with pytest.raises(UserError, match="FSDP option") as err:
+        resolve(None, flags)
+    given = [w for w in err.value.message.split() if w.startswith("--fsdp")]
+    assert given == named, err.value.message
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h", "--help_config"])
 def test_help_lists_every_config_key(flag, tmp_path):
     res = ok(_train(flag, cwd=tmp_path))

@@ -192,6 +192,8 @@ def _convert(tp: type, value: Any) -> Any:
             raise TypeError(value)
         return dict(value)
     if tp is str:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+            return ",".join(str(v) for v in value)  # fire splits `--key a,b` into ('a', 'b'); a comma list is meant
         if isinstance(value, (dict, list, tuple, bool)):  # a bool here is YAML's unquoted yes/no/on/off
             raise TypeError(value)
         return str(value)
@@ -314,9 +316,12 @@ def _validate(cfg: TrainConfig) -> None:
         if cfg.amp == "fp16":
             raise UserError("--amp fp16 does not combine with --strategy fsdp (its GradScaler does not handle sharded "
                             "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
-    elif cfg.fsdp_cpu_offload or cfg.fsdp_blocks:
-        raise UserError("--fsdp_cpu_offload and --fsdp_blocks are FSDP options; this run's strategy is ddp",
-                        "add --strategy fsdp, or drop them")
+    else:
+        fsdp_only = [f"--{k}" for k in ("fsdp_blocks", "fsdp_cpu_offload", "fsdp_reshard_after_forward")
+                     if getattr(cfg, k) != FIELDS[k].default]
+        if fsdp_only:
+            raise UserError(f"{' and '.join(fsdp_only)} {'is an FSDP option' if len(fsdp_only) == 1 else 'are FSDP options'}; "
+                            f"this run's strategy is ddp", f"add --strategy fsdp, or drop {'it' if len(fsdp_only) == 1 else 'them'}")
     if cfg.num_workers < -1:
         raise UserError(f"num_workers must be >= 0, or -1 for automatic; got {cfg.num_workers}", "e.g. --num_workers 2")
 
