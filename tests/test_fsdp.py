@@ -248,6 +248,34 @@ def test_default_block_policy():
         _chosen(tower, ["Block"])
 
 
+def test_tied_weights_stay_in_one_unit():
+    """A parameter used by two modules must not be split between two units (FSDP would hand one of
+    them a shard): the default policy leaves those modules to the root, explicit blocks are refused."""
+    sys.path.insert(0, str(HELPERS))
+    try:
+        from tied_task import SharedHead
+    finally:
+        sys.path.remove(str(HELPERS))
+    from ddp_kit.errors import UserError
+    from ddp_kit.fsdp import _units
+
+    m = SharedHead()
+    assert _units(m, None) == [m.mid, m.head]  # embed and out share a weight: both stay in the root
+    assert _units(m, ["Sequential"]) == [m.mid]
+    with pytest.raises(UserError, match=r"split tied weights: (embed|out)\.weight is also used as (out|embed)\.weight"):
+        _units(m, ["Linear"])
+
+
+@pytest.mark.slow
+def test_a_model_with_tied_weights_trains_under_fsdp_as_under_ddp(tmp_path):
+    env = {"PYTHONPATH": str(HELPERS)}
+    for strategy in ("ddp", "fsdp"):
+        ok(torchrun([*BASE, "--run_dir", str(tmp_path / strategy), "--model", "tied_task:shared_head", "--max_steps", "10",
+                     "--strategy", strategy], env=env, timeout=240))
+    ddp, fsdp = records(tmp_path / "ddp"), records(tmp_path / "fsdp")
+    assert len(ddp) >= 2 and [r["loss"] for r in fsdp] == pytest.approx([r["loss"] for r in ddp], rel=1e-5)
+
+
 @pytest.mark.parametrize("length,world,batch", [(360, 4, 256), (359, 4, 32), (7, 2, 3), (12, 3, 1), (100, 8, 7)])
 def test_even_eval_batches_cover_every_sample_once_in_equal_counts(length, world, batch):
     from ddp_kit.data import EvenBatches

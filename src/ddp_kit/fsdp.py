@@ -82,6 +82,40 @@ def _chosen(model: nn.Module, blocks: Callable[[nn.Module], bool] | Iterable[str
     return [m for m in model.modules() if m is not model and blocks(m)]
 
 
+def _tied_outside(model: nn.Module, units: list[nn.Module]) -> dict[int, tuple[str, str]]:
+    """Units holding a parameter that is also used outside them (tied weights, e.g. an embedding
+    shared with the output layer): {id(unit): (the parameter's name inside, a name outside)}.
+    A unit's parameters are sharded by that unit and gathered only around its own forward, so a
+    module outside it would see a shard."""
+    names = {id(m): n for n, m in model.named_modules()}
+    uses: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    out: dict[int, tuple[str, str]] = {}
+    for unit in units:
+        prefix = names[id(unit)] + "."
+        for all_names in uses.values():
+            inside = [n for n in all_names if n.startswith(prefix)]
+            outside = [n for n in all_names if not n.startswith(prefix)]
+            if inside and outside:
+                out[id(unit)] = (inside[0], outside[0])
+                break
+    return out
+
+
+def _units(model: nn.Module, blocks: Callable[[nn.Module], bool] | Iterable[str] | None) -> list[nn.Module]:
+    """The chosen units, checked for tied weights: the default policy leaves a unit that shares a
+    parameter with the rest of the model to its parent (the root), an explicit choice is refused."""
+    units = _chosen(model, blocks)
+    tied = _tied_outside(model, units)
+    if tied and blocks is not None:
+        inside, outside = next(iter(tied.values()))
+        raise UserError(f"fsdp blocks split tied weights: {inside} is also used as {outside}, outside its unit",
+                        "choose blocks that hold every use of a shared parameter, or leave the modules "
+                        "that share it out of the blocks (the root unit then holds them)")
+    return [u for u in units if id(u) not in tied]
+
+
 def shard(model: nn.Module, device: torch.device, world_size: int, *, amp: str = "off", cpu_offload: bool = False,
           reshard_after_forward: bool = True,
           blocks: Callable[[nn.Module], bool] | Iterable[str] | None = None) -> nn.Module:
@@ -100,7 +134,7 @@ def shard(model: nn.Module, device: torch.device, world_size: int, *, amp: str =
                                "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     if amp == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = _chosen(model, blocks)
+    units = _units(model, blocks)
     # Innermost first: fully_shard of a unit takes the parameters no inner unit already holds.
     depth = {id(m): len(name.split(".")) for name, m in model.named_modules()}
     for unit in sorted(units, key=lambda m: -depth.get(id(m), 0)):
