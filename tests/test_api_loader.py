@@ -163,3 +163,19 @@ def test_refused_sampler_in_a_plain_process_is_one_line():
     res = run_cmd([sys.executable, str(HELPERS / "api_refuse.py"), "weighted"])
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     _one_line(res, "WeightedRandomSampler")
+
+
+@pytest.mark.slow
+def test_a_prepare_option_given_to_init_is_one_line_for_the_job():
+    """ddp_kit.init(strategy=...) as Fabric(strategy=...) would take it: one line from the whole job
+    (it was once per rank), pointing to run.prepare."""
+    res = torchrun([str(HELPERS / "api_refuse.py"), "init_option"])
+    _one_line(res, "strategy", "run.prepare(model, ..., strategy=...)")
+
+
+@pytest.mark.parametrize("case,needle", [("init_twice", "process group already exists"),
+                                         ("prepare_twice", "already prepared")])
+def test_api_called_twice_is_one_line(case, needle):
+    res = run_cmd([sys.executable, str(HELPERS / "api_refuse.py"), case])
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    _one_line(res, needle)

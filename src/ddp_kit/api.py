@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import os
 import sys
 import threading
@@ -32,6 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch.distributed as tdist
 from torch import nn
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler, Subset,
                               SubsetRandomSampler, WeightedRandomSampler)
@@ -40,12 +42,13 @@ from .data import TrainLoader, check_sized, eval_loader
 from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
+from .fsdp import is_sharded
 from .guard import Guard, Policy
 from .preempt import PreemptFlag
 from .rundir import RunDir
 from .sync import main_only
 from .progress import Progress
-from .wrap import kernel_settings, sync_gradients, unwrap, wrap_model
+from .wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
 
 
 class Run:
@@ -102,8 +105,14 @@ class Run:
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
                      ddp: dict[str, Any] | None, device_data: bool, sharding: dict[str, Any]) -> Any:
         if isinstance(obj, nn.Module):
-            return wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
-                              **sharding)
+            if getattr(obj, "_ddp_kit_prepared", False) or unwrap_ddp(obj) is not None or is_sharded(obj):
+                kind = "FSDP" if is_sharded(obj) else "DDP" if unwrap_ddp(obj) is not None else ""
+                raise UserError(f"run.prepare got a model that is already prepared{f' (wrapped in {kind})' if kind else ''}",
+                                "prepare the plain model once and keep what run.prepare returned")
+            model = wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
+                               **sharding)
+            model._ddp_kit_prepared = True  # at world size 1 the model comes back unwrapped: this marks it
+            return model
         if isinstance(obj, DataLoader):
             return self.train_loader(obj, grad_accum, device_data)
         return obj
@@ -367,8 +376,14 @@ def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
     known = {f.name for f in dataclasses.fields(Policy)} - {"run_dir"}
     unknown = sorted(set(options) - known)
     if unknown:
+        prepare = sorted(set(unknown) & set(inspect.signature(Run.prepare).parameters) - {"self", "objs"})
+        if prepare:  # Fabric-style Fabric(strategy=...): here the model's options go where the model does
+            raise UserError(f"ddp_kit.init() got {', '.join(prepare)}, which {'is an option' if len(prepare) == 1 else 'are options'} "
+                            f"of run.prepare", f"pass it with the model: run.prepare(model, ..., "
+                            f"{', '.join(f'{k}=...' for k in prepare)})")
+        own = [n for n, p in inspect.signature(init).parameters.items() if p.kind == p.KEYWORD_ONLY or n == "run_dir"]
         raise UserError(f"ddp_kit.init() got unknown option(s) {', '.join(unknown)}",
-                        f"known: {', '.join(sorted(known))}")
+                        f"known: {', '.join(sorted(set(own) | known))}")
     if run_dir is None and (options.get("ckpt_every") or options.get("async_ckpt")):
         raise UserError("checkpoint options were given but no run_dir to write checkpoints into",
                         'pass run_dir to ddp_kit.init(run_dir="runs/my_run", ...)')
@@ -394,9 +409,13 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     or at interpreter exit. An error that ends the script goes through the failure policy first.
     """
     joining = _Failures(None)  # for errors while joining: there is no process group yet
-    policy = _policy(run_dir, options)
     env = detect() if env is None else env
-    joining.rank = env.rank
+    joining.rank = env.rank  # before anything is checked: a mistake every rank makes is printed by rank 0 only
+    if tdist.is_initialized():
+        raise UserError("ddp_kit.init() was called while a process group already exists (a second ddp_kit.init(), "
+                        "or your own init_process_group)", "call ddp_kit.init() once and pass the Run it returns "
+                        "around; it sets up the process group itself")
+    policy = _policy(run_dir, options)
     progress = Progress()
     box: list[Guard] = []
     flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].saved_step if box else None)).install()
