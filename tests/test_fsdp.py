@@ -199,6 +199,9 @@ def test_sync_check_under_fsdp_compares_buffers_and_optimizer_step(tmp_path):
         assert "rank 1: scale" in seen["buffer_changed"]
         assert "rank 1: optimizer.step" in seen["optimizer_step_changed"]
         assert seen["accumulated_grads_reduced"]  # the bare last micro-step reduce-scattered
+    # the gathered state_dict is the plain model's, whole, loadable without ddp_kit or DTensor
+    full, before = (torch.load(tmp_path / f, weights_only=True) for f in ("full.pt", "before.pt"))
+    assert list(full) == list(before) and all(torch.equal(full[k], before[k]) for k in before), (full, before)
 
 
 @pytest.mark.parametrize("flags,said", [

@@ -42,7 +42,7 @@ from .data import TrainLoader, check_sized, eval_loader
 from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
-from .fsdp import is_sharded
+from .fsdp import full_state_dict, is_sharded
 from .guard import Guard, Policy
 from .preempt import PreemptFlag
 from .rundir import RunDir
@@ -297,7 +297,15 @@ class Run:
         return sync_gradients(model, last)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        """Your module under the DDP / torch.compile wrappers (under FSDP its parameters stay sharded:
+        see full_state_dict)."""
         return unwrap(model)
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, Any]:
+        """Your model's plain state_dict (whole CPU tensors, the keys of the unwrapped module) for
+        `torch.save` or another process, under any strategy. Under FSDP every rank must call it (the
+        shards are gathered one tensor at a time); with rank0_only the other ranks get {}."""
+        return full_state_dict(unwrap(model), keep=self.is_main or not rank0_only)
 
     def main_only(self):
         """`with run.main_only() as main: if main: ...`: rank-0-only code in which collectives raise at once."""

@@ -227,3 +227,16 @@ def full_tensor(p: torch.Tensor) -> torch.Tensor:
         return p
     mesh_type = p.device_mesh.device_type
     return (p.to(mesh_type) if p.device.type != mesh_type else p).full_tensor()
+
+
+def full_state_dict(model: nn.Module, keep: bool = True) -> dict[str, Any]:
+    """The model's state_dict with whole tensors in CPU memory, gathered one tensor at a time (never
+    the whole model on one device). Collective under FSDP: every rank calls it; `keep=False` takes
+    part in the gathers and returns {} (rank 0 alone needs the copy, e.g. to save it)."""
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict().items():
+        whole = full_tensor(t.detach()) if isinstance(t, torch.Tensor) else t
+        if keep:
+            out[name] = whole.to("cpu", copy=True) if isinstance(whole, torch.Tensor) else whole
+        del whole
+    return out

@@ -1,4 +1,6 @@
-"""Under torchrun (gloo, CPU), 2 ranks: what the sync check compares under FSDP.
+"""Under torchrun (gloo, CPU), 2 ranks: what the sync check compares under FSDP, and the plain
+state_dict gathered from the shards (rank 0 saves it to <out_dir>/full.pt, beside the weights the
+model had before sharding, <out_dir>/before.pt).
 
 A sharded parameter has one owner per shard and is not compared; a buffer (replicated) and the
 optimizer's step count are. Each rank writes <out_dir>/rank<R>.json with the verdict of each case."""
@@ -11,6 +13,7 @@ from torch import nn
 
 from ddp_kit.dist import distributed
 from ddp_kit.errors import UserError
+from ddp_kit.fsdp import full_state_dict
 from ddp_kit.sync import check_consistency, optimizer_steps
 from ddp_kit.wrap import sync_gradients, wrap_model
 
@@ -34,7 +37,15 @@ def verdict(ctx, model, opt):
 
 with distributed() as ctx:
     torch.manual_seed(0)
-    model = wrap_model(Net(), ctx, strategy="fsdp")
+    plain = Net()
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = wrap_model(plain, ctx, strategy="fsdp")
+    full = full_state_dict(model, keep=ctx.rank == 0)
+    if ctx.rank == 0:
+        torch.save(full, Path(sys.argv[1], "full.pt"))
+        torch.save(before, Path(sys.argv[1], "before.pt"))
+    elif full:
+        raise SystemExit(f"rank {ctx.rank} kept a copy: {list(full)}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
