@@ -75,10 +75,34 @@ def test_export_step_latest_is_the_latest_file(run_dir, tmp_path):
     assert not list(tmp_path.glob(".*"))  # no temporary file left beside it
 
 
-def test_export_step_number(run_dir, tmp_path):
+@pytest.mark.parametrize("step", ["3", "step_3"])  # the number, or the folder's name as `list` prints it
+def test_export_step_number(run_dir, tmp_path, step):
     out = tmp_path / "w.pt"
-    ok(ckpt("export", run_dir, "--out", out, "--step", "3"))
+    ok(ckpt("export", run_dir, "--out", out, "--step", step))
     assert same_tensors(out, run_dir / "checkpoints" / "step_3" / "model.pt")
+
+
+def test_export_past_a_damaged_newest_says_so(run_dir, tmp_path):
+    """The default (newest valid) skips a damaged newer checkpoint as resume does, and says so; asking
+    for the damaged step says why it is refused."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    model = copy / "checkpoints" / "step_6" / "model.pt"
+    model.write_bytes(model.read_bytes()[:100])
+    res = ok(ckpt("export", copy, "--out", tmp_path / "w.pt"))
+    warned = [line for line in res.stderr.splitlines() if line.startswith("ddp_kit: warning:")]
+    assert len(warned) == 1 and "step_6" in warned[0] and "truncated" in warned[0] and "step_3" in warned[0], res.stderr
+    assert same_tensors(tmp_path / "w.pt", run_dir / "checkpoints" / "step_3" / "model.pt")
+    one_line_error(ckpt("export", copy, "--out", tmp_path / "v.pt", "--step", "6"), "step_6", "truncated")
+
+
+def test_export_another_registered_object(run_dir, tmp_path):
+    import torch
+
+    ok(ckpt("export", run_dir, "--out", tmp_path / "o.pt", "--name", "optimizer"))
+    saved = torch.load(run_dir / "checkpoints" / "step_6" / "train_state.pt", weights_only=True)["optimizer"]
+    assert torch.load(tmp_path / "o.pt", weights_only=True).keys() == saved.keys()
+    one_line_error(ckpt("export", run_dir, "--out", tmp_path / "n.pt", "--name", "nope"), "'nope'", "optimizer")
 
 
 @pytest.mark.parametrize("step", ["abc", "2.5"])

@@ -57,7 +57,9 @@ def _step(step) -> int | str | None:
         return step
     if isinstance(step, float) and step.is_integer():  # fire reads --step 1e3 as 1000.0
         return int(step)
-    raise UserError(f"--step expects a step number or 'latest'; got {step!r}", f"e.g. --step latest; {LIST_HINT}")
+    if isinstance(step, str) and step.startswith("step_") and step[5:].isdigit():  # the folder's name, as `list` shows
+        return int(step[5:])
+    raise UserError(f"--step expects a step number, step_N or 'latest'; got {step!r}", f"e.g. --step latest; {LIST_HINT}")
 
 
 def _latest(root: Path) -> Path:
@@ -107,17 +109,29 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     elif step == "latest":
         path = _latest(_root(run_dir))
     else:
-        rows = [(s, p) for s, p, reason in list_checkpoints(_root(run_dir)) if reason is None]
-        rows = [(s, p) for s, p in rows if step is None or s == step]
-        if not rows:
-            raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {str(run_dir)!r}",
+        every = [row for row in list_checkpoints(_root(run_dir)) if step is None or row[0] == step]
+        valid = [p for _, p, reason in every if reason is None]
+        if not valid:
+            why = f" ({every[0][1].name}: {every[0][2]})" if every else ""
+            raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {str(run_dir)!r}{why}",
                             LIST_HINT)
-        path = rows[0][1]
+        path = valid[0]
+        for _, skipped, reason in every[:every.index(next(r for r in every if r[1] == path))]:
+            # newer than the one exported, and damaged: said, as resume says it
+            print(f"ddp_kit: warning: checkpoint {skipped.name} is not usable ({reason}); exporting {path.name} instead",
+                  file=sys.stderr, flush=True)
     reason = validate(path)
     if reason:
         raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
-    state = (torch.load(path / "model.pt", map_location="cpu", weights_only=True) if (path / "model.pt").exists()
-             else _consolidate(path, str(name)))
+    if not (path / "model.pt").exists():
+        state = _consolidate(path, str(name))
+    elif str(name) == "model":
+        state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    else:  # the other registered objects of a replicated checkpoint are in train_state.pt
+        shared = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+        if str(name) not in shared:
+            raise UserError(f"checkpoint {str(path)!r} has no {str(name)!r}", f"choose one of: model, {', '.join(sorted(shared))}")
+        state = shared[str(name)]
     # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
     # where an inference job would pick it up.
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
@@ -132,7 +146,8 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
             tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write --out {str(dest)!r} ({exc.strerror or exc})",
                         "pass --out in a folder you can write to, on a disk with free space") from None
-    print(f"exported {len(state)} tensors from {path} to {dest}")
+    tensors = sum(1 for v in state.values() if hasattr(v, "shape"))
+    print(f"exported {len(state)} entries ({tensors} tensors) of {name!r} from {path} to {dest}")
 
 
 def _consolidate(path: Path, name: str = "model") -> dict:
