@@ -164,9 +164,11 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
 
 # ---- main_only guard ------------------------------------------------------------------------------
 
-_COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "all_gather_into_tensor",
-                "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
-                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "monitored_barrier")
+# Every public collective torch.distributed has, found by name: torch adds variants (2.14's FSDP
+# gathers with all_gather_single, a name the list once written here did not have).
+_COLLECTIVES = tuple(n for n in dir(tdist) if n[:1].islower() and callable(getattr(tdist, n))
+                     and n.startswith(("all_", "reduce", "gather", "scatter", "broadcast", "barrier", "monitored_barrier")))
+_FSDP_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
 
 
 class CollectiveInMainOnly(RuntimeError):
@@ -190,7 +192,9 @@ def main_only(ctx: DistContext) -> Iterator[bool]:
         def _raise(*args, **kwargs):
             raise CollectiveInMainOnly(
                 f"torch.distributed.{name} called inside main_only() on rank {ctx.rank}: the other ranks skip this "
-                f"block and would wait forever; move the collective out of main_only() or run it on every rank")
+                f"block and would wait forever; move the collective out of main_only() or run it on every rank"
+                + ("; an FSDP model's forward all-gathers its weights: evaluate on every rank, or load "
+                   "run.full_state_dict(model) into a plain copy" if name in _FSDP_COLLECTIVES else ""))
         return _raise
 
     for name in saved:
