@@ -41,4 +41,4 @@ def test_launch_script_refuses_bad_config_before_torchrun():
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "ddp_kit: error: batch_size 63 (global) does not divide into world_size 2 x grad_accum 1 "
-        "(hint: use a multiple of 2, e.g. --batch_size 62)"]
+        "(hint: use a multiple of 2, e.g. batch_size 62)"]

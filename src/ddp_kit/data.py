@@ -37,7 +37,7 @@ def per_rank_batch(global_batch: int, world_size: int, grad_accum: int = 1) -> i
         lo = max(parts, global_batch // parts * parts)
         raise UserError(
             f"batch_size {global_batch} (global) does not divide into world_size {world_size} x grad_accum {grad_accum}",
-            f"use a multiple of {parts}, e.g. --batch_size {lo}")
+            f"use a multiple of {parts}, e.g. batch_size {lo}")
     return global_batch // parts
 
 
@@ -225,7 +225,7 @@ class TrainLoader:
         self.steps_per_epoch = size // global_batch
         if self.steps_per_epoch == 0:
             raise UserError(f"batch_size {global_batch} is larger than the training set ({len(dataset)} samples)",
-                            f"use --batch_size {max(world_size * grad_accum, len(dataset) // 4 // (world_size * grad_accum) * world_size * grad_accum)} or less")
+                            f"use batch_size {max(world_size * grad_accum, len(dataset) // 4 // (world_size * grad_accum) * world_size * grad_accum)} or less")
 
     @property
     def dataset(self) -> Dataset:

@@ -43,21 +43,21 @@ def check_strategy(strategy: str, *, sync_bn: bool, amp: str | None = None, cpu_
         raise UserError(f"unknown strategy {strategy!r}", f"choose one of {', '.join(STRATEGIES)}")
     if strategy != "fsdp":
         if cpu_offload:
-            raise UserError("cpu_offload is an FSDP option; this run's strategy is ddp", "add --strategy fsdp, or drop --fsdp_cpu_offload")
+            raise UserError("cpu_offload is an FSDP option; this run's strategy is ddp", "use strategy fsdp, or drop cpu_offload")
         return
     if sync_bn:
         raise UserError("sync_bn does not combine with strategy fsdp (SyncBatchNorm is a DDP-era layer; FSDP leaves "
-                        "BatchNorm per rank)", "use --sync_bn false, or --strategy ddp")
+                        "BatchNorm per rank)", "drop sync_bn, or use strategy ddp")
     if amp == "fp16":
         raise UserError("amp=fp16 does not combine with strategy fsdp here (its GradScaler does not handle sharded "
-                        "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
+                        "gradients)", "use amp bf16 (FSDP's MixedPrecisionPolicy), or strategy ddp")
     if cpu_offload and device is not None and device.type != "cuda":
         raise UserError("fsdp cpu_offload moves parameters and optimizer state from the GPU to host memory; this run "
-                        "is on cpu, where they already are", "drop --fsdp_cpu_offload on CPU")
+                        "is on cpu, where they already are", "drop cpu_offload on CPU")
     set_ddp = {k for k, v in (ddp or {}).items() if v not in (None, False)}  # DDP options given a value
     if set_ddp:
         raise UserError(f"DDP options {sorted(set_ddp)} do not apply to strategy fsdp",
-                        "drop them, or use --strategy ddp")
+                        "drop them, or use strategy ddp")
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:

@@ -44,7 +44,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, com
     if sync_bn and ctx.world_size > 1:
         if ctx.device.type == "cpu":  # torch's SyncBatchNorm raises on CPU tensors at the first forward
             raise UserError("sync_bn needs GPUs: torch's SyncBatchNorm does not run on CPU with more than one rank",
-                            "use --sync_bn false on CPU (each rank keeps its own BatchNorm statistics)")
+                            "drop sync_bn on CPU (each rank keeps its own BatchNorm statistics)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if ctx.world_size > 1:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -111,10 +111,10 @@ def unwrap_ddp(model: nn.Module) -> DDP | None:
 
 def check_amp(amp: str, device: torch.device) -> None:
     if amp == "fp16" and device.type != "cuda":
-        raise UserError("amp=fp16 needs a CUDA device (GradScaler); this run is on cpu", "use --amp bf16 or --amp off")
+        raise UserError("amp=fp16 needs a CUDA device (GradScaler); this run is on cpu", "use amp bf16 or off")
     if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError(f"amp=bf16 but {torch.cuda.get_device_name(device)} has no bf16 support",
-                        "use --amp fp16 on this GPU")
+                        "use amp fp16 on this GPU")
 
 
 @contextmanager
