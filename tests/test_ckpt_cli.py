@@ -102,7 +102,7 @@ def test_export_another_registered_object(run_dir, tmp_path):
     ok(ckpt("export", run_dir, "--out", tmp_path / "o.pt", "--name", "optimizer"))
     saved = torch.load(run_dir / "checkpoints" / "step_6" / "train_state.pt", weights_only=True)["optimizer"]
     assert torch.load(tmp_path / "o.pt", weights_only=True).keys() == saved.keys()
-    one_line_error(ckpt("export", run_dir, "--out", tmp_path / "n.pt", "--name", "nope"), "'nope'", "optimizer")
+    one_line_error(ckpt("export", run_dir, "--out", tmp_path / "n.pt", "--name", "nope"), "holds no 'nope'", "optimizer")
 
 
 @pytest.mark.parametrize("step", ["abc", "2.5"])

@@ -259,6 +259,8 @@ def test_tied_weights_stay_in_one_unit():
         from tied_task import SharedHead
     finally:
         sys.path.remove(str(HELPERS))
+    from torch import nn
+
     from ddp_kit.errors import UserError
     from ddp_kit.fsdp import _units
 
@@ -267,6 +269,15 @@ def test_tied_weights_stay_in_one_unit():
     assert _units(m, ["Sequential"]) == [m.mid]
     with pytest.raises(UserError, match=r"split tied weights: (embed|out)\.weight is also used as (out|embed)\.weight"):
         _units(m, ["Linear"])
+
+    class Reused(nn.Module):  # one module under two names is one unit, not a split
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(3)])
+            self.last = self.blocks[-1]
+
+    r = Reused()
+    assert _units(r, None) == list(r.blocks) and _units(r, ["Sequential"]) == list(r.blocks)
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -62,6 +63,7 @@ class Run:
         self.split_batches = split_batches
         self.seed = seed
         self._uneven_eval = False  # an eval loader split for DDP exists (FSDP needs even batch counts)
+        self._prepared: weakref.WeakSet = weakref.WeakSet()  # models this Run's prepare returned
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -105,13 +107,13 @@ class Run:
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
                      ddp: dict[str, Any] | None, device_data: bool, sharding: dict[str, Any]) -> Any:
         if isinstance(obj, nn.Module):
-            if getattr(obj, "_ddp_kit_prepared", False) or unwrap_ddp(obj) is not None or is_sharded(obj):
+            if obj in self._prepared or unwrap_ddp(obj) is not None or is_sharded(obj):
                 kind = "FSDP" if is_sharded(obj) else "DDP" if unwrap_ddp(obj) is not None else ""
                 raise UserError(f"run.prepare got a model that is already prepared{f' (wrapped in {kind})' if kind else ''}",
                                 "prepare the plain model once and keep what run.prepare returned")
             model = wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
                                **sharding)
-            model._ddp_kit_prepared = True  # at world size 1 the model comes back unwrapped: this marks it
+            self._prepared.add(model)  # at world size 1 the model comes back unwrapped: this Run remembers it
             return model
         if isinstance(obj, DataLoader):
             return self.train_loader(obj, grad_accum, device_data)
@@ -476,6 +478,8 @@ class _Failures:
     def __call__(self, kind, err, tb) -> None:
         if not self.active:
             return self.previous(kind, err, tb)
+        if self.guard is None and isinstance(self.previous, _Failures) and self.previous.guard is not None:
+            return self.previous(kind, err, tb)  # a Run is open (a second ddp_kit.init): its policy decides
         if self.guard is not None:
             # SystemExit from an excepthook sets the exit code; atexit (teardown, no final save) still runs.
             sys.exit(self.guard.fail(err))

@@ -104,7 +104,8 @@ class Checkpointer:
                 raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite"
                                 f"{f' ({bad[0]} on rank {self.ctx.rank})' if bad else ' (on another rank)'}; last "
                                 f"checkpoint: {latest_name(self.root)}",
-                                "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
+                                "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint",
+                                verdict=True)
         # Every rank holds the same weights, so every rank reaches the same verdict. Flat state dicts
         # (a model's, under any name) are checked; nested ones (an optimizer's) are not.
         bad = [k if name == "model" else f"{name}.{k}" for name, st in shared.items() if isinstance(st, dict)
@@ -301,7 +302,8 @@ class Checkpointer:
         if not all_true(self.ctx, (found.path / "dcp").is_dir()):  # one verdict, before DCP's collectives
             raise UserError(f"checkpoint {found.path} holds no sharded state (dcp/) that every rank can read: it was "
                             f"written with strategy ddp, or is not on storage every rank mounts",
-                            "resume it with the strategy that wrote it, or start over with resume='never' or a new run_dir")
+                            "resume it with the strategy that wrote it, or start over with resume='never' or a new run_dir",
+                            verdict=True)
         group = self._dcp_group()
         dcp.load(template, storage_reader=dcp.FileSystemReader(found.path / "dcp"), process_group=group,
                  no_dist=group is None)

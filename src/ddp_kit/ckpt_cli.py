@@ -123,15 +123,7 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     reason = validate(path)
     if reason:
         raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
-    if not (path / "model.pt").exists():
-        state = _consolidate(path, str(name))
-    elif str(name) == "model":
-        state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    else:  # the other registered objects of a replicated checkpoint are in train_state.pt
-        shared = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
-        if str(name) not in shared:
-            raise UserError(f"checkpoint {str(path)!r} has no {str(name)!r}", f"choose one of: model, {', '.join(sorted(shared))}")
-        state = shared[str(name)]
+    state = _read_object(path, str(name))
     # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
     # where an inference job would pick it up.
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
@@ -150,6 +142,33 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     print(f"exported {len(state)} entries ({tensors} tensors) of {name!r} from {path} to {dest}")
 
 
+def _read_object(path: Path, name: str) -> dict:
+    """The saved object `name` of a checkpoint, whole: the model from model.pt, a sharded object
+    (strategy fsdp) assembled from dcp/, anything else (an optimizer under DDP, a scheduler, a
+    second replicated model) from train_state.pt."""
+    import torch
+
+    if name == "model" and (path / "model.pt").exists():
+        return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    sharded = _dcp_names(path)
+    if name in sharded:
+        return _consolidate(path, name)
+    shared = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+    if name in shared:
+        return shared[name]
+    held = sorted(set(sharded) | set(shared) | ({"model"} if (path / "model.pt").exists() else set()))
+    raise UserError(f"checkpoint {str(path)!r} holds no {name!r} (it holds: {', '.join(held)})",
+                    f"pass --name with one of those; {LIST_HINT}")
+
+
+def _dcp_names(path: Path) -> list[str]:
+    if not (path / "dcp").is_dir():
+        return []
+    import torch.distributed.checkpoint as dcp
+
+    return sorted({k.split(".", 1)[0] for k in dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata})
+
+
 def _consolidate(path: Path, name: str = "model") -> dict:
     """The whole `name` state dict of a sharded (strategy fsdp) checkpoint, read from its dcp/ folder
     in this one process: no GPU, no process group, any world size that wrote it."""
@@ -160,13 +179,7 @@ def _consolidate(path: Path, name: str = "model") -> dict:
     # (a module's _extra_state), which a template of plain tensors cannot.
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    if not (path / "dcp").is_dir():
-        raise UserError(f"checkpoint {str(path)!r} holds neither model.pt nor sharded weights (dcp/)", LIST_HINT)
     reader = dcp.FileSystemReader(path / "dcp")
-    held = sorted({k.split(".", 1)[0] for k in reader.read_metadata().state_dict_metadata})
-    if name not in held:
-        raise UserError(f"checkpoint {str(path)!r} holds no {name!r} in dcp/ (it holds: {', '.join(held)})",
-                        f"pass --name with one of those; {LIST_HINT}")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore")
         return _load_state_dict_from_keys(keys={name}, storage_reader=reader)[name]

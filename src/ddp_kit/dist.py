@@ -368,7 +368,7 @@ def rank0_verdict(ctx: DistContext, check) -> Any:
     kind, value = broadcast_object(ctx, out)
     if kind == "error":
         message, hint, rank, host = value
-        err = UserError(message, hint, rank=rank)
+        err = UserError(message, hint, rank=rank, verdict=True)
         err.host = host
         raise err
     return value

@@ -12,14 +12,20 @@ class UserError(Exception):
     on one node, a GPU it lacks): the rank that hit it prints it, with its rank and host, because
     the others may never see it. Otherwise every rank reaches the same verdict and it is printed
     once for the whole job.
+
+    `verdict=True` marks an error that every rank raises together, after a collective decided it
+    (a sync check, a startup disagreement): the others are about to raise it too, so fail-fast
+    gives them a moment instead of announcing it a second time (failfast.ECHO_GRACE_S).
     """
 
-    def __init__(self, message: str, hint: str = "", rank: int | None = None, local: bool = False):
+    def __init__(self, message: str, hint: str = "", rank: int | None = None, local: bool = False,
+                 verdict: bool = False):
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.rank = rank
         self.local = local or rank is not None
+        self.verdict = verdict
         self.host: str | None = None
 
     def at(self, rank: int, host: str | None = None) -> "UserError":

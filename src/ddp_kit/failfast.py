@@ -29,7 +29,7 @@ FAILED_KEY = "ddp_kit/failed"
 # How long the process hosting the store (rank 0 outside torchrun) stays after a failure is posted:
 # once it exits the store is gone, and ranks that had not polled yet would see only a broken socket.
 LINGER_S = 1.5
-# A failure every rank reaches at once (a UserError that is not local: a sync check's verdict, a
+# A failure every rank reaches at once (a UserError marked verdict: a sync check's divergence, a
 # startup disagreement) is printed by the rank that posted it. The others raise the same error a
 # moment later and stay silent; their fail-fast thread gives them this long to get there before it
 # says "stopping" itself, which would print the cause a second time.
@@ -47,7 +47,7 @@ def post(store, rank: int, step: int, phase: str, err: BaseException) -> dict | 
     if store is None:
         return None
     mine = json.dumps({"rank": rank, "host": socket.gethostname(), "step": step, "phase": phase,
-                       "error": _describe(err), "everywhere": isinstance(err, UserError) and not err.local})
+                       "error": _describe(err), "verdict": isinstance(err, UserError) and err.verdict})
     try:
         return json.loads(store.compare_set(FAILED_KEY, "", mine) or mine)
     except Exception:
@@ -133,7 +133,7 @@ class FailFast:
             except Exception:
                 return  # the store went away: the job is ending anyway
             if failed and not self._stop.is_set():
-                if failed.get("everywhere") and self._stop.wait(ECHO_GRACE_S):
+                if failed.get("verdict") and self._stop.wait(ECHO_GRACE_S):
                     return  # this rank reached the same verdict and handles it itself
                 say_stop(self.rank, failed)
                 time.sleep(self.linger_s)

@@ -87,16 +87,20 @@ def _tied_outside(model: nn.Module, units: list[nn.Module]) -> dict[int, tuple[s
     shared with the output layer): {id(unit): (the parameter's name inside, a name outside)}.
     A unit's parameters are sharded by that unit and gathered only around its own forward, so a
     module outside it would see a shard."""
-    names = {id(m): n for n, m in model.named_modules()}
+    # A module reused under several names (a block run twice, an alias `self.last = self.blocks[-1]`)
+    # is one unit under all of them: each name counts as inside.
+    prefixes: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(m), []).append(n + ".")
     uses: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         uses.setdefault(id(p), []).append(name)
     out: dict[int, tuple[str, str]] = {}
     for unit in units:
-        prefix = names[id(unit)] + "."
+        mine = tuple(prefixes[id(unit)])
         for all_names in uses.values():
-            inside = [n for n in all_names if n.startswith(prefix)]
-            outside = [n for n in all_names if not n.startswith(prefix)]
+            inside = [n for n in all_names if n.startswith(mine)]
+            outside = [n for n in all_names if not n.startswith(mine)]
             if inside and outside:
                 out[id(unit)] = (inside[0], outside[0])
                 break

@@ -65,7 +65,7 @@ def check_agreement(ctx: DistContext, facts: dict[str, Any], details: dict[str, 
     gathered = gather_object(ctx, mine or None)
     problems = broadcast_object(ctx, [p for ps in gathered if ps for p in ps] if ctx.is_main else None)
     raise UserError(f"ranks disagree at startup, before step 1: {'; '.join(problems[:6])}",
-                    "start every rank with the same config, code, library versions and data")
+                    "start every rank with the same config, code, library versions and data", verdict=True)
 
 
 # ---- periodic consistency -----------------------------------------------------------------------
@@ -159,7 +159,7 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
         return f"parameters diverged from rank 0 at step {step} ({where}); re-broadcast from rank 0"
     raise UserError(f"parameters diverged across ranks at step {step} (sync check): {where}",
                     "a rank updated its weights differently (non-deterministic code on one rank, a skipped step, "
-                    "a buffer changed on one rank only); --sync_fix broadcast repairs it instead")
+                    "a buffer changed on one rank only); --sync_fix broadcast repairs it instead", verdict=True)
 
 
 # ---- main_only guard ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Rank 0's fail-fast thread sees rank 1's posted failure while rank 0's main thread is still on its way
-to the same verdict (as under load after a sync check). argv[1]: `everywhere` (a UserError every rank
-reaches) or `local` (one rank's own problem). Real TCPStore on loopback, real thread, real os._exit.
+to the same verdict (as under load after a sync check). argv[1]: `verdict` (a UserError every rank
+raises together), `local` (one rank's own problem) or `plain` (printed once for the job, but not known
+to be raised on every rank: the bf16 check on one node's GPUs). Real TCPStore on loopback, real thread, real os._exit.
 
 Exits 2 when this rank's main thread got to handle the failure itself, 1 when the thread stopped it."""
 import sys
@@ -15,7 +16,7 @@ from ddp_kit.failfast import FailFast, post
 kind = sys.argv[1]
 store = tdist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
 port = store.port
-err = UserError("parameters diverged across ranks (late_verdict)", local=kind == "local")
+err = UserError("parameters diverged across ranks (late_verdict)", local=kind == "local", verdict=kind == "verdict")
 post(store, 1, 5, "sync check", err)  # rank 1 got there first
 
 
