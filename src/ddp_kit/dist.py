@@ -110,8 +110,10 @@ def check_layout(env: DistEnv, device: torch.device, environ=None) -> None:
         try:
             socket.getaddrinfo(env.master_addr, None)
         except OSError:
+            # Said once per node (by its local rank 0): name resolution is the node's, not the rank's.
             raise UserError(f"master host {env.master_addr!r} ({env.launcher}) does not resolve from {socket.gethostname()}",
-                            "set MASTER_ADDR to a name or address every node can resolve", rank=env.rank) from None
+                            "set MASTER_ADDR to a name or address every node can resolve",
+                            rank=env.rank if env.local_rank == 0 else None) from None
     if device.type != "cuda" or env.launcher != "slurm":
         return
     visible = torch.cuda.device_count()

@@ -146,6 +146,10 @@ def announce(env, err: BaseException, timeout_s: float = 30.0) -> None:
     if env.world_size < 2 or not env.master_addr or not env.master_port:
         return
     try:
+        socket.getaddrinfo(env.master_addr, env.master_port)
+    except OSError:
+        return  # no store can be reached there (the error may be just that): no 30 s of connect retries
+    try:
         # A client only: rank 0 (or torchrun's agent) hosts the store; if nobody does, give up quietly.
         store = tdist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                                timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
