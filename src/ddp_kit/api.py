@@ -107,8 +107,8 @@ class Run:
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
                      ddp: dict[str, Any] | None, device_data: bool, sharding: dict[str, Any]) -> Any:
         if isinstance(obj, nn.Module):
-            if obj in self._prepared or unwrap_ddp(obj) is not None or is_sharded(obj):
-                kind = "FSDP" if is_sharded(obj) else "DDP" if unwrap_ddp(obj) is not None else ""
+            kind = "FSDP" if is_sharded(obj) else "DDP" if unwrap_ddp(obj) is not None else ""
+            if kind or obj in self._prepared:
                 raise UserError(f"run.prepare got a model that is already prepared{f' (wrapped in {kind})' if kind else ''}",
                                 "prepare the plain model once and keep what run.prepare returned")
             model = wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,

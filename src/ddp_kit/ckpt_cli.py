@@ -116,8 +116,9 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
             raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {str(run_dir)!r}{why}",
                             LIST_HINT)
         path = valid[0]
-        for _, skipped, reason in every[:every.index(next(r for r in every if r[1] == path))]:
-            # newer than the one exported, and damaged: said, as resume says it
+        for _, skipped, reason in every:  # newest first: the damaged ones above the export are said, as resume says them
+            if skipped == path:
+                break
             print(f"ddp_kit: warning: checkpoint {skipped.name} is not usable ({reason}); exporting {path.name} instead",
                   file=sys.stderr, flush=True)
     reason = validate(path)
