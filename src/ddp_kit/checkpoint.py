@@ -37,6 +37,7 @@ import torch
 from .ckpt_folder import MANIFEST, choose, latest_name, point_latest, step_numbers
 from .dist import DistContext, all_true, rank0_verdict
 from .durable import fsync_dir, write_durable
+from . import safe_load
 from .errors import UserError
 from .fsdp import local
 from .staging import HostBuffer, snapshot, tensors_in, to_host
@@ -305,15 +306,13 @@ class Checkpointer:
                             "resume it with the strategy that wrote it, or start over with resume='never' or a new run_dir",
                             verdict=True)
         group = self._dcp_group()
-        dcp.load(template, storage_reader=dcp.FileSystemReader(found.path / "dcp"), process_group=group,
+        dcp.load(template, storage_reader=safe_load.reader(found.path / "dcp"), process_group=group,
                  no_dist=group is None)
 
     def sharded_keys(self, found: Found) -> set[str]:
         """The flattened keys a sharded checkpoint holds (e.g. "optimizer.state.fc.weight.exp_avg")."""
-        import torch.distributed.checkpoint as dcp
-
         path = found.path / "dcp"
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata) if path.is_dir() else set()
+        return set(safe_load.read_dcp_metadata(path).state_dict_metadata) if path.is_dir() else set()
 
     def load(self, found: Found) -> tuple[dict, dict | None, dict]:
         """(shared state, this rank's per-rank state or None, meta), on CPU: load_state_dict copies each

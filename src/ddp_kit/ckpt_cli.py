@@ -165,9 +165,9 @@ def _read_object(path: Path, name: str) -> dict:
 def _dcp_names(path: Path) -> list[str]:
     if not (path / "dcp").is_dir():
         return []
-    import torch.distributed.checkpoint as dcp
+    from .safe_load import read_dcp_metadata
 
-    return sorted({k.split(".", 1)[0] for k in dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata})
+    return sorted({k.split(".", 1)[0] for k in read_dcp_metadata(path / "dcp").state_dict_metadata})
 
 
 def _consolidate(path: Path, name: str = "model") -> dict:
@@ -175,12 +175,13 @@ def _consolidate(path: Path, name: str = "model") -> dict:
     in this one process: no GPU, no process group, any world size that wrote it."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
     # DCP's own whole-checkpoint reader, restricted to one key: it rebuilds nested entries too
     # (a module's _extra_state), which a template of plain tensors cannot.
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    reader = dcp.FileSystemReader(path / "dcp")
+    from .safe_load import reader as safe_reader
+
+    reader = safe_reader(path / "dcp")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore")
         return _load_state_dict_from_keys(keys={name}, storage_reader=reader)[name]

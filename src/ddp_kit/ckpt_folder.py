@@ -48,7 +48,9 @@ def validate(path: Path) -> str | None:
                 sha.update(chunk)
         if sha.hexdigest() != want["sha256"]:
             return f"{name} is corrupt (checksum mismatch)"
-    return None
+    from .safe_load import check_folder  # torch only here: listing a folder of bad steps stays light
+
+    return check_folder(path)  # a manifest proves nothing against whoever could also rewrite it
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path, str | None]]:
