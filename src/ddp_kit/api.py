@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -47,9 +47,10 @@ from .fsdp import full_state_dict, is_sharded
 from .guard import Guard, Policy
 from .preempt import PreemptFlag
 from .rundir import RunDir
-from .sync import main_only
+from .sync import in_main_only, main_only
 from .progress import Progress
-from .wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
+from .wrap import (ddp_local_forward, kernel_settings, sync_ddp_buffers, sync_gradients, unwrap, unwrap_ddp,
+                   wrap_model)
 
 
 class Run:
@@ -160,7 +161,7 @@ class Run:
                             collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
                             even_batches=self._guard.strategy == "fsdp")
         self._uneven_eval = self._uneven_eval or (self._guard.strategy != "fsdp" and self.world_size > 1)
-        return _Announced(shard, lambda: self._guard.heartbeat("eval"))
+        return _EvalLoader(shard, lambda: self._guard.heartbeat("eval"), self._guard.models)
 
     def _sampling(self, loader: DataLoader) -> tuple[Dataset, bool, int]:
         """(dataset to shard, shuffle, seed) that reproduce `loader`'s sampling; refuses what cannot be sharded."""
@@ -307,11 +308,27 @@ class Run:
         """Your model's plain state_dict (whole CPU tensors, the keys of the unwrapped module) for
         `torch.save` or another process, under any strategy. Under FSDP every rank must call it (the
         shards are gathered one tensor at a time); with rank0_only the other ranks get {}."""
+        if in_main_only() and is_sharded(unwrap(model)):
+            raise UserError("run.full_state_dict(model) was called inside main_only() on a sharded (FSDP) model: it "
+                            "gathers the shards from every rank, and the other ranks skip the block",
+                            "call it on every rank before main_only() (rank 0 keeps the result), then use the dict inside")
         return full_state_dict(unwrap(model), keep=self.is_main or not rank0_only)
 
-    def main_only(self):
-        """`with run.main_only() as main: if main: ...`: rank-0-only code in which collectives raise at once."""
-        return main_only(self.ctx)
+    @contextmanager
+    def main_only(self) -> Iterator[bool]:
+        """`with run.main_only() as main: if main: ...`: rank-0-only code in which collectives raise at
+        once, and a DDP model's forward runs on its own module (see sync.main_only). A hang report
+        names the rank that is inside the block."""
+        progress = self._guard.progress
+        phase = progress.phase
+        if self.is_main and self.world_size > 1:
+            progress.enter("main_only")
+        try:
+            with main_only(self.ctx) as main:
+                yield main
+        finally:
+            if progress.phase == "main_only":
+                progress.enter(phase)
 
     def print(self, *args, **kwargs) -> None:
         if self.is_main:
@@ -364,15 +381,28 @@ class Resumed(int):
         return out
 
 
-class _Announced:
-    """A DataLoader whose every batch is a heartbeat (long evals are progress too); else the same."""
+class _EvalLoader:
+    """A DataLoader whose every batch is a heartbeat (long evals are progress too), and before whose
+    first batch every prepared DDP model takes rank 0's buffers: the evaluated model is the one a
+    checkpoint saves, the same on every rank, and its forwards start no collective (a rank with an
+    empty shard may call none). Else the same loader. Every rank iterates it, empty shard or not."""
 
-    def __init__(self, loader: DataLoader, beat: Callable[[], None]):
-        self._loader, self._beat = loader, beat
+    def __init__(self, loader: DataLoader, beat: Callable[[], None], models: list[nn.Module]):
+        self._loader, self._beat, self._models = loader, beat, models
 
     def __iter__(self):
+        if in_main_only():
+            raise UserError("run.eval_loader was iterated inside main_only(): it holds only this rank's share of the "
+                            "data, and making it agree on the model's buffers needs every rank",
+                            "iterate it on every rank and combine the sums with run.sum(...), or use a plain "
+                            "DataLoader over the whole set inside main_only()")
+        self._beat()
+        for model in self._models:
+            sync_ddp_buffers(model)
         for batch in self._loader:
             self._beat()
+            for model in self._models:  # an eval forward with gradients on would arm the broadcast again
+                ddp_local_forward(model)
             yield batch
 
     def __len__(self) -> int:

@@ -58,7 +58,7 @@ from .sync import check_agreement, check_consistency, optimizer_steps, shapes_di
 from .peerloss import disable_crash_dump, enable_crash_dump
 from .progress import Progress
 from .watchdog import Watchdog
-from .wrap import settle_ddp_buckets, unwrap
+from .wrap import settle_ddp_buckets, sync_ddp_buffers, unwrap
 
 
 @dataclass(frozen=True)
@@ -491,6 +491,8 @@ class Guard:
         if not self.state or self.saved_step == self.done:
             return
         self.nonfinite.check(self.ctx, ckpt)  # never save a run whose loss went NaN/inf
+        for model in self.models:  # model.pt holds rank 0's buffers: from here every rank has those too
+            sync_ddp_buffers(model)
         models, optimizers = self._sharded()
         shared = {**self.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": self.done}}
         with self._state_io():

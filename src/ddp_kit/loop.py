@@ -75,8 +75,10 @@ def evaluate(job: Job) -> dict[str, float]:
             sums[k] = sums.get(k, 0.0) + torch.as_tensor(v).detach().double() * n
         count += n
     module.train(was_training)
-    names = sorted(sums)
-    values = (torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=run.device) for k in names]).tolist()
+    # A rank with an empty shard (fewer test samples than ranks) has no names of its own; rank 0
+    # always has the most samples, but the union says it without relying on that.
+    names = sorted(set().union(*run.gather(sorted(sums))))
+    values = (torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=run.device) for k in names]).tolist()
               if names else [])
     # ^ one device->host read for all metrics, after the whole shard
     *totals, count = run.sum(*values, count)

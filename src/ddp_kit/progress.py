@@ -11,7 +11,7 @@ from pathlib import Path
 
 # Phases in the order a step goes through them: progress compares (step, phase index).
 PHASES = ("startup", "data", "forward/backward", "optimizer", "after step", "preemption check", "log all-reduce",
-          "sync check", "checkpoint", "eval", "between epochs", "finish")
+          "sync check", "checkpoint", "eval", "between epochs", "finish", "main_only")
 # Phases that may legitimately take long; they get the init timeout instead of hang_timeout.
 SLOW_PHASES = frozenset({"startup", "checkpoint", "eval", "between epochs", "finish"})
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}

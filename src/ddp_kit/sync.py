@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .dist import DistContext, all_same, broadcast_object, gather_object
 from .errors import UserError
@@ -175,32 +178,86 @@ class CollectiveInMainOnly(RuntimeError):
     pass
 
 
+_inside = threading.local()  # .active: this thread is in a main_only block (rank 0's own code)
+
+
+def in_main_only() -> bool:
+    return bool(getattr(_inside, "active", False))
+
+
+
+def refusal(what: str, rank: int, fsdp: bool = False) -> CollectiveInMainOnly:
+    return CollectiveInMainOnly(
+        f"{what} inside main_only() on rank {rank}: the other ranks skip this block and would wait forever; "
+        f"move the collective out of main_only() or run it on every rank"
+        + ("; an FSDP model's forward and a DTensor's full_tensor() gather from every rank: evaluate on every "
+           "rank, or take run.full_state_dict(model) on every rank before main_only() and load it into a plain copy"
+           if fsdp else ""))
+
+
+class _RefuseTorchCollectives(TorchDispatchMode):
+    """Collectives torch starts by itself (DDP's buffer broadcast, FSDP's and DTensor's gathers, as in
+    full_tensor) never pass through a torch.distributed name, but every one is a c10d operator: this
+    mode sees each operator this thread dispatches and refuses those, before anything is sent."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+
+def _refuse_c10d(self, func, types, args=(), kwargs=None):
+    if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
+        raise refusal(f"torch's own collective {func.name()} (started by DDP, FSDP or a DTensor)", self.rank,
+                      fsdp="all_gather" in func.name())
+    return func(*args, **(kwargs or {}))
+
+
+# Set after the class is made: a __torch_dispatch__ in the class body is wrapped by torch to disable
+# dynamo, which imports torch._dynamo (1.5 s) the first time rank 0 enters main_only(). Nothing
+# compiled runs this function.
+_RefuseTorchCollectives.__torch_dispatch__ = _refuse_c10d
+
+
 @contextmanager
 def main_only(ctx: DistContext) -> Iterator[bool]:
     """`with main_only(ctx) as main: if main: ...` runs rank-0-only code in which any collective
     raises at once instead of leaving the other ranks waiting until the timeout.
 
-    Guards calls made through `torch.distributed.<name>` (and ddp_kit's helpers); C++ internals
-    such as DDP's reducer are not covered.
+    Refused on the thread that entered the block (another thread, such as an async checkpoint's,
+    is not rank-0-only code): calls through a `torch.distributed.<name>` collective, and every c10d
+    operator dispatched, which covers the collectives DDP, FSDP and DTensors start by themselves.
+    A DDP-wrapped model's forward runs on its own module here: DDP would first broadcast rank 0's
+    buffers to ranks that are not there.
     """
     if not ctx.is_main or ctx.world_size == 1:
         yield ctx.is_main
         return
+    owner = threading.get_ident()
     saved = {name: getattr(tdist, name) for name in _COLLECTIVES if hasattr(tdist, name)}
 
-    def refuse(name):
+    def refuse(name, fn):
         def _raise(*args, **kwargs):
-            raise CollectiveInMainOnly(
-                f"torch.distributed.{name} called inside main_only() on rank {ctx.rank}: the other ranks skip this "
-                f"block and would wait forever; move the collective out of main_only() or run it on every rank"
-                + ("; an FSDP model's forward all-gathers its weights: evaluate on every rank, or load "
-                   "run.full_state_dict(model) into a plain copy" if name in _FSDP_COLLECTIVES else ""))
+            if threading.get_ident() != owner:
+                return fn(*args, **kwargs)
+            raise refusal(f"torch.distributed.{name} called", ctx.rank, fsdp=name in _FSDP_COLLECTIVES)
         return _raise
 
-    for name in saved:
-        setattr(tdist, name, refuse(name))
+    ddp_forward = DDP.forward
+
+    def local_forward(self, *inputs, **kwargs):
+        if threading.get_ident() != owner:
+            return ddp_forward(self, *inputs, **kwargs)
+        return self.module(*inputs, **kwargs)
+
+    for name, fn in saved.items():
+        setattr(tdist, name, refuse(name, fn))
+    DDP.forward = local_forward
+    _inside.active = True
     try:
-        yield True
+        with _RefuseTorchCollectives(ctx.rank):
+            yield True
     finally:
+        _inside.active = False
+        DDP.forward = ddp_forward
         for name, fn in saved.items():
             setattr(tdist, name, fn)

@@ -209,6 +209,9 @@ def lagging(positions: dict[int, dict | None]) -> list[int]:
     missing = [r for r, p in positions.items() if p is None]
     if missing:
         return missing
+    alone = [r for r, p in positions.items() if p["phase"] == "main_only"]
+    if alone and len(alone) < len(positions):  # rank-0-only code: the others wait for it, not it for them
+        return alone
     key = {r: (p["step"], PHASES.index(p["phase"]) if p["phase"] in PHASES else len(PHASES)) for r, p in positions.items()}
     low = min(key.values())
     behind = [r for r, k in key.items() if k == low]
@@ -228,6 +231,9 @@ def hang_report(positions: dict[int, dict | None], stalled_for: float, dump_dir:
             lines.append(f"  rank {r}: no report (process dead or stuck before its watchdog started)")
         else:
             lines.append(f"  rank {r} ({p['host']}): step {p['step']}, {p['phase']}, at {p['where']}, idle {p['stalled_s']}s")
+    if any(p and p["phase"] == "main_only" for p in positions.values()):
+        lines.append("  rank 0 is inside run.main_only(): the other ranks went on without it. Work there that takes "
+                     "longer than hang_timeout_s, or waits for them, stalls the job; run long evaluations on every rank.")
     lines.append(f"  stacks: {dump_dir}/rank<R>.txt; all ranks exit {EXIT_HANG}. "
                  f"Hint: a rank that skips or adds a collective, or blocks in its own code, stalls the others.")
     return "\n".join(lines)

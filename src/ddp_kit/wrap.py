@@ -6,6 +6,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -107,6 +108,29 @@ def unwrap_ddp(model: nn.Module) -> DDP | None:
             return None
         model = model._orig_mod
     return model
+
+
+def sync_ddp_buffers(model: nn.Module) -> None:
+    """Every rank gets rank 0's buffers (BatchNorm's running statistics) now, as DDP itself would at
+    the next training forward; collective. Each rank updates its statistics from its own batches, so
+    without this an eval (or a checkpoint) would see N different models. DDP is then told its
+    buffers are in sync, so no forward until the next training one broadcasts them: an eval forward
+    on the wrapped model is local, and a rank with an empty eval shard leaves no one waiting."""
+    ddp = unwrap_ddp(model)
+    if ddp is None or not getattr(ddp, "broadcast_buffers", False) or not getattr(ddp, "modules_buffers", None):
+        return
+    with torch.no_grad():
+        buffers = [b.detach() for b in ddp.modules_buffers]
+        # one coalesced broadcast per call, as DDP's own buffer sync; a bucket of 256 MiB
+        tdist._broadcast_coalesced(ddp.process_group, buffers, 256 * 2**20, 0)
+    ddp_local_forward(model)
+
+
+def ddp_local_forward(model: nn.Module) -> None:
+    """The next forward of a DDP model skips DDP's buffer broadcast (its buffers agree already)."""
+    ddp = unwrap_ddp(model)
+    if ddp is not None:
+        ddp.require_forward_param_sync = False
 
 
 def check_amp(amp: str, device: torch.device) -> None:
