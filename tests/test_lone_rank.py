@@ -73,3 +73,14 @@ def test_a_test_split_smaller_than_the_world_evaluates(tmp_path):
     summary = read_json(tmp_path / "summary.json")
     assert summary["eval_samples"] == 2, summary
     assert "eval epoch 0" in res.stdout and "KeyError" not in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["resume", "step"])
+def test_an_optimizer_made_before_fsdp_prepare_is_refused_before_step_1(tmp_path, where):
+    """Found at run.resume (or, without it, at the first step), not at the final checkpoint."""
+    res = torchrun([str(HELPERS / "early_optimizer.py"), str(tmp_path), "fsdp", where], timeout=120)
+    assert res.returncode != 0
+    said = [ln for ln in res.stdout.splitlines() + res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
+    assert len(said) == 1 and "holds none of the prepared model's parameters" in said[0], res.stderr[-3000:]
+    assert "step 1 done" not in res.stdout and "hint: create the optimizer after run.prepare" in said[0]

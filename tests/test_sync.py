@@ -94,3 +94,18 @@ def test_f_collective_inside_main_only_raises(tmp_path):
         assert len(line) == 1 and float(line[0].split(": raised after ")[1].split("s:")[0]) < 1.0, res.stdout
         assert "main_only()" in line[0]
     assert "run.full_state_dict(model)" in line[0]  # the FSDP case says how to evaluate on rank 0 alone
+
+
+@pytest.mark.slow
+def test_g_a_hang_in_step_1_is_reported_at_the_hang_timeout_and_ends_at_the_startup_bound(tmp_path):
+    """Step 1 may be slow (compile), so it is not ended at the hang timeout; but where each rank is
+    is said then, not after the whole startup bound in silence."""
+    res = torchrun(["-m", "ddp_kit.train", "--epochs", "1", "--progress", "false", "--hang_timeout_s", "5",
+                    "--init_timeout_s", "30", "--run_dir", str(tmp_path), "--inject", "hang:rank=1:step=1"], timeout=120)
+    assert_failed_everywhere(res)
+    early = [ln for ln in res.stderr.splitlines() if "before step 1 finished" in ln]
+    assert len(early) == 1 and "startup bound (30s" in early[0], res.stderr[-3000:]
+    assert 5 <= int(early[0].split("no progress for ")[1].split("s")[0]) < 15, early  # at the hang timeout, once
+    after = res.stderr[res.stderr.index(early[0]):]
+    assert "rank 1 (" in after and "at faults.py" in after  # where each rank is, the stalled one included
+    assert after.index("rank 1 (") < after.index("ddp_kit: hang: no progress for ")  # said first, ended later

@@ -314,6 +314,7 @@ class Guard:
         for name, obj in objects.items():
             self.track(obj, name)
         self.resumed = True
+        self.check_optimizers()
         ckpt = self.checkpointer()
         self.progress.enter("startup")
         found = ckpt.find(self.policy.resume, warn=lambda msg: self.say(f"ddp_kit: warning: {msg}"))
@@ -438,7 +439,25 @@ class Guard:
         self.progress.enter("after step")
         return done
 
+    def check_optimizers(self) -> None:
+        """Every registered optimizer steps parameters of a registered model; else the run would train
+        nothing, or (FSDP) fail only at its first checkpoint, possibly hours later. The usual cause:
+        the optimizer was made before run.prepare, which under FSDP replaces the parameters."""
+        if not self.models:
+            return
+        owned = {id(p) for m in self.models for p in m.parameters()}
+        for name, opt in self._named(torch.optim.Optimizer).items():
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if params and not any(id(p) in owned for p in params):
+                sharded = " (run.prepare(..., strategy='fsdp') replaces them with sharded ones)" if self.strategy == "fsdp" else ""
+                raise UserError(f"optimizer {name!r} holds none of the prepared model's parameters{sharded}: it would "
+                                f"train nothing, and its checkpoint would fail",
+                                "create the optimizer after run.prepare, from the model it returned: "
+                                "optimizer = AdamW(model.parameters())")
+
     def _first_step_over(self) -> None:
+        if not self.resumed:  # run.resume checked them already
+            self.check_optimizers()
         self.agree()
         # Startup is over (data ready, kernels compiled): from here a collective that takes longer
         # than collective_timeout_s is a fault, not a slow start.

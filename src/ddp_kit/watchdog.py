@@ -63,6 +63,7 @@ class Watchdog:
         self.peer_timeout_s = max(peer_timeout_s, 3 * self.poll_s) if peer_timeout_s > 0 else 0.0
         self._peer = (rank + 1) % world_size
         self._peer_seen: tuple[str, float] | None = None  # (its last heartbeat, when it changed, our clock)
+        self._early_said = 0.0  # the `since` of the stall an early (before step 1) report was printed for
         self.dump_dir = Path(dump_dir)
         self.host = host or os.uname().nodename
         self._stop = threading.Event()
@@ -118,6 +119,9 @@ class Watchdog:
         limit = self.slow_timeout_s if (p.phase in SLOW_PHASES or not p.warm) else self.hang_timeout_s
         if stalled_for > limit:
             self._on_hang(stalled_for)
+        elif not p.warm and stalled_for > self.hang_timeout_s and self._early_said != p.since:
+            self._early_said = p.since  # once per stall
+            self._early_report(stalled_for)
         if self.peer_timeout_s and p.warm:  # before step 1 is over, startup's own timeout applies
             self._watch_peer()
 
@@ -176,6 +180,19 @@ class Watchdog:
         self.store.set(_ABORT, "hang")
         time.sleep(self.poll_s * 1.5)  # the others see the flag, dump, and exit
         os._exit(EXIT_HANG)
+
+    def _early_report(self, stalled_for: float) -> None:
+        """Step 1 may take long (compile, autotuning, a slow first batch), so a stall before it ends
+        stops the job only at the startup bound; but where each rank is gets said at the hang timeout
+        (a deadlock in step 1, e.g. a parameter unused on one rank, is otherwise silent that long)."""
+        if self.rank != 0:
+            return
+        time.sleep(max(2.0, self.poll_s * 1.5))  # let every rank publish its latest position
+        report = hang_report(self._positions(), stalled_for, self.dump_dir).splitlines()
+        head = (f"ddp_kit: warning: no progress for {stalled_for:.0f}s before step 1 finished "
+                f"({report[0].split('s. ', 1)[-1]}) Step 1 may just be slow (compile, autotuning); if this is a hang, the "
+                f"job stops at the startup bound ({self.slow_timeout_s:.0f}s, the init timeout).")
+        print("\n".join([head, *report[1:-1]]), file=sys.stderr, flush=True)
 
     def _positions(self) -> dict[int, dict]:
         """Every rank's last report, read once at hang time (rank 0 only)."""
