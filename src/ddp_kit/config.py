@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import UserError
+from .recipe import NOT_RECIPE, RESUMABLE, describe_changes, recipe_changes  # noqa: F401 (re-exported)
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
@@ -94,49 +95,7 @@ class TrainConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
-                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
-                        "collective_timeout_s", "hang_timeout_s", "peer_timeout_s", "preempt_check_every", "rank_metrics", "rank_records_max",
-                        "straggler_margin"})
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-
-# Keys that may differ between a checkpoint and the run resuming it: how long the run goes, where
-# it executes, and its bookkeeping. Anything that changes what a step computes (model, data, batch,
-# optimizer and its settings, LR and schedule shape, precision, seed) may not: the restored optimizer
-# and scheduler would keep the old values or fail to load, and the result would carry a recipe it
-# never ran. Beyond NOT_RECIPE (logging, checkpointing, timeouts, checks, resume mode, test hooks):
-#   epochs, max_steps   lengthen or shorten the run; the LR schedule is rebuilt over the new total.
-#   data_root, download where the same dataset's files are found.
-#   device, backend     where it runs, like the world size (elastic resume): the numbers may move in
-#                       the last bits, the recipe does not.
-#   eval_every_epoch    evaluation only.
-# compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
-RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
-                                    "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic",
-                                    "bucket_cap_mb", "static_graph", "device_data", "fsdp_blocks", "fsdp_cpu_offload",
-                                    "fsdp_reshard_after_forward"})
-# These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
-_UNREPORTED = frozenset({"resume", "inject"})
-
-
-def recipe_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """A checkpoint's config against this run's: ({refused key: (old, new)}, {allowed key: (old, new)}).
-
-    Keys one side lacks (a checkpoint from another ddp_kit version) are not compared."""
-    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
-    refused = {k: c for k, c in changed.items() if k not in RESUMABLE}
-    allowed = {k: c for k, c in changed.items() if k in RESUMABLE and k not in _UNREPORTED}
-    return refused, allowed
-
-
-def describe_changes(changes: Mapping[str, tuple]) -> str:
-    """'lr 0.003 -> 0.01, optimizer adamw -> sgd'"""
-    return ", ".join(f"{k} {_show(old)} -> {_show(new)}" for k, (old, new) in changes.items())
-
-
-def _show(value: Any) -> str:
-    return "''" if value == "" else str(value)
-
 
 def _resolved_type(name: str) -> Any:
     return typing.get_type_hints(TrainConfig)[name]

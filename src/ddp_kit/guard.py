@@ -51,6 +51,7 @@ from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summariz
 from .numerics import NonFiniteLoss
 from .outputs import RunWriter
 from .preempt import PreemptFlag, agree_stop, exit_code, requeue
+from .recipe import refuse_changed
 from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 from .state import TrainState
 from .fsdp import load_state_dicts, memory_bytes, state_dicts
@@ -320,6 +321,10 @@ class Guard:
         found = ckpt.find(self.policy.resume, warn=lambda msg: self.say(f"ddp_kit: warning: {msg}"))
         if found is not None:
             shared, own, meta = ckpt.load(found)
+            if check is None and self.config is not None:  # a script's own config: the reference job's rules
+                check = lambda m: refuse_changed(m.get("config") or {}, self.config, m["path"],  # noqa: E731
+                                                 "use a new run_dir, or resume='never' to start over in this one")
+            scripted = _hyperparameters(self._named(torch.optim.Optimizer))
             # Before any state is loaded: the caller may refuse this checkpoint, or say what changed.
             said = check({**meta, "path": str(found.path)}) if check is not None else None
             written = meta.get("strategy", "ddp")
@@ -345,6 +350,10 @@ class Guard:
             else:
                 torch.manual_seed(1_000_003 * self.done + self.ctx.rank)
             extra = [said] if said else []
+            restored = _hyperparameters(self._named(torch.optim.Optimizer))
+            extra += [f"{name} {key} {mine} in the script, {theirs} restored"
+                      for name, keys in scripted.items() for key, mine in keys.items()
+                      if (theirs := restored.get(name, {}).get(key, mine)) != mine]
             if meta.get("world_size") != self.ctx.world_size:
                 extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {self.ctx.world_size}: "
                              f"data order continues, per-rank RNG streams are reseeded")
@@ -591,6 +600,24 @@ class Guard:
         self.timer.mark("other")
         yield
         self.timer.mark("comm")
+
+
+def _hyperparameters(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, dict[str, Any]]:
+    """{optimizer name: {"lr": 0.01, "group 1 weight_decay": 0.0, ...}}: the plain numbers of each
+    param group. A scheduler moves "lr" as it goes, so where it wrote "initial_lr" (the base rate the
+    script chose) that is compared instead of "lr"."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, opt in optimizers.items():
+        keys: dict[str, Any] = {}
+        for i, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key == "params" or (key == "lr" and "initial_lr" in group):
+                    continue
+                if isinstance(value, (bool, int, float, str)) or (
+                        isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
+                    keys[(f"group {i} " if i else "") + ("lr" if key == "initial_lr" else key)] = value
+        out[name] = keys
+    return out
 
 
 def config_hash(config: dict[str, Any]) -> str:

@@ -16,7 +16,8 @@ import torch
 
 from . import __version__
 from .api import Run, init
-from .config import TrainConfig, describe_changes, help_text, recipe_changes, resolve
+from .config import TrainConfig, help_text, resolve
+from .recipe import refuse_changed
 from .data import per_rank_batch
 from .doctor import findings_for_error, oom_report
 from .env import DistEnv, detect
@@ -50,14 +51,8 @@ def refuse_changed_recipe(cfg: TrainConfig):
     """A resume must not silently mix recipes: a changed optimizer fails deep inside torch, and a
     changed lr or batch would be silently overridden by (or mixed with) the restored state."""
     def check(meta: dict) -> str | None:
-        refused, applied = recipe_changes(meta.get("config") or {}, cfg.to_dict())
-        if refused:
-            raise UserError(f"cannot resume from {meta['path']}: the recipe changed since it was saved "
-                            f"({describe_changes(refused)})",
-                            "use a new --run_dir, or --resume never to start over in this one")
-        if applied:
-            return f"changed since that checkpoint and applied: {describe_changes(applied)}"
-        return None
+        return refuse_changed(meta.get("config") or {}, cfg.to_dict(), meta["path"],
+                              "use a new --run_dir, or --resume never to start over in this one")
     return check
 
 

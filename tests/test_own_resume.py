@@ -1,0 +1,42 @@
+"""Your own script rerun with a changed recipe (real processes, one rank): a config passed to
+ddp_kit.init is held to the reference job's rules (refused, or applied and said), and without a
+config the resume line names the optimizer settings the checkpoint overrides."""
+import sys
+
+import pytest
+
+from conftest import HELPERS, ok, run_cmd
+
+SCRIPT = str(HELPERS / "recipe_script.py")
+
+
+def script(run_dir, lr, with_config, steps):
+    return run_cmd([sys.executable, SCRIPT, str(run_dir), str(lr), "1" if with_config else "0", str(steps)], timeout=120)
+
+
+def resumed_line(res):
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ddp_kit: resumed from")]
+    assert len(lines) == 1, res.stdout + res.stderr
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_without_config_the_resume_line_names_the_restored_lr(tmp_path):
+    ok(script(tmp_path, 0.01, False, 4))
+    line = resumed_line(ok(script(tmp_path, 0.003, False, 6)))
+    assert "optimizer lr 0.003 in the script, 0.01 restored" in line, line
+    # the same lr again: nothing to say (momentum and the scheduler's moving lr are not changes)
+    line = resumed_line(ok(script(tmp_path, 0.01, False, 8)))
+    assert "in the script" not in line, line
+
+
+@pytest.mark.slow
+def test_a_config_passed_to_init_is_held_to_the_reference_jobs_rules(tmp_path):
+    ok(script(tmp_path, 0.01, True, 4))
+    line = resumed_line(ok(script(tmp_path, 0.01, True, 6)))
+    assert "changed since that checkpoint and applied: max_steps 4 -> 6" in line, line
+    res = script(tmp_path, 0.003, True, 8)
+    assert res.returncode == 2, res.stdout + res.stderr
+    said = [ln for ln in res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
+    assert len(said) == 1 and "the recipe changed since it was saved (lr 0.01 -> 0.003)" in said[0], res.stderr
+    assert "Traceback" not in res.stderr
