@@ -84,3 +84,11 @@ def test_an_optimizer_made_before_fsdp_prepare_is_refused_before_step_1(tmp_path
     said = [ln for ln in res.stdout.splitlines() + res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
     assert len(said) == 1 and "holds none of the prepared model's parameters" in said[0], res.stderr[-3000:]
     assert "step 1 done" not in res.stdout and "hint: create the optimizer after run.prepare" in said[0]
+
+
+@pytest.mark.slow
+def test_the_scripts_own_save_of_the_wrapped_model_is_warned_about_once(tmp_path):
+    res = ok(torchrun([str(HELPERS / "lone_rank.py"), "save", str(tmp_path)], timeout=120))
+    warned = [ln for ln in res.stderr.splitlines() if "model.state_dict() of the DDP-wrapped model" in ln]
+    assert len(warned) == 1 and "'module.'" in warned[0] and "run.unwrap(model).state_dict()" in warned[0], res.stderr
+    assert "keys: ['module." in res.stdout  # what the warning is about

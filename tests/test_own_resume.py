@@ -40,3 +40,11 @@ def test_a_config_passed_to_init_is_held_to_the_reference_jobs_rules(tmp_path):
     said = [ln for ln in res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
     assert len(said) == 1 and "the recipe changed since it was saved (lr 0.01 -> 0.003)" in said[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_an_error_in_scheduler_step_names_the_phase_after_the_optimizer_step():
+    res = run_cmd([sys.executable, str(HELPERS / "raise_in_scheduler.py")], timeout=120)
+    said = [ln for ln in res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
+    assert res.returncode != 0 and len(said) == 1, res.stderr
+    assert "failed at step 2 in after step: RuntimeError: scheduler broke" in said[0], said

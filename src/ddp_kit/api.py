@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import difflib
 import inspect
 import os
 import sys
@@ -65,6 +66,7 @@ class Run:
         self.seed = seed
         self._uneven_eval = False  # an eval loader split for DDP exists (FSDP needs even batch counts)
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models this Run's prepare returned
+        self._said_wrapped_state = False
 
     device = property(lambda self: self.ctx.device)
     rank = property(lambda self: self.ctx.rank)
@@ -115,10 +117,25 @@ class Run:
             model = wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
                                **sharding)
             self._prepared.add(model)  # at world size 1 the model comes back unwrapped: this Run remembers it
+            ddp = unwrap_ddp(model)
+            hook = getattr(ddp, "register_state_dict_post_hook", None)  # (torch >= 2.5)
+            if hook is not None:  # ddp_kit's own saves take the unwrapped module's state_dict: only yours get here
+                hook(lambda *_: self._wrapped_state_dict())  # a function: torch marks the hook it is given
             return model
         if isinstance(obj, DataLoader):
             return self.train_loader(obj, grad_accum, device_data)
         return obj
+
+    def _wrapped_state_dict(self) -> None:
+        """Once, on rank 0: the script took the DDP wrapper's state_dict (usually to torch.save it)."""
+        if self._said_wrapped_state:
+            return
+        self._said_wrapped_state = True
+        if self.is_main:
+            print("ddp_kit: warning: model.state_dict() of the DDP-wrapped model: its keys start with 'module.' (a plain "
+                  "model will not load them), and a torch.save on every rank writes one file from each; save "
+                  "run.unwrap(model).state_dict() under `if run.is_main:` (or run.full_state_dict(model)), or rely on "
+                  "the checkpoint's model.pt", file=sys.stderr, flush=True)
 
     def train_loader(self, loader: DataLoader, grad_accum: int = 1, device_data: bool = False) -> TrainLoader:
         """A sharded, epoch-aware copy of `loader` that samples as `loader` did, or a one-line refusal.
@@ -330,6 +347,24 @@ class Run:
             if progress.phase == "main_only":
                 progress.enter(phase)
 
+    def seed_everything(self, seed: int | None = None, per_rank: bool = True) -> int:
+        """Seed Python's, NumPy's (when imported) and torch's generators (CPU and every GPU) with
+        `seed` (default: init's seed) plus this rank (per_rank=True, as Accelerate's
+        set_seed(device_specific=True)): each rank draws different augmentation and dropout noise,
+        and a rerun draws the same. Call it after building the model, or with per_rank=False before:
+        DDP broadcasts rank 0's initial weights, FSDP keeps each rank's. Returns the seed used."""
+        import random
+
+        import torch
+
+        used = (self.seed if seed is None else seed) + (self.rank if per_rank else 0)
+        random.seed(used)
+        torch.manual_seed(used)  # every CUDA device too
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(used % 2**32)
+        return used
+
     def print(self, *args, **kwargs) -> None:
         if self.is_main:
             print(*args, **kwargs, flush=True)
@@ -422,8 +457,11 @@ def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
                             f"of run.prepare", f"pass it with the model: run.prepare(model, ..., "
                             f"{', '.join(f'{k}=...' for k in prepare)})")
         own = [n for n, p in inspect.signature(init).parameters.items() if p.kind == p.KEYWORD_ONLY or n == "run_dir"]
+        everything = sorted(set(own) | known)
+        near = [m for k in unknown for m in difflib.get_close_matches(k, everything, n=2, cutoff=0.6)]
         raise UserError(f"ddp_kit.init() got unknown option(s) {', '.join(unknown)}",
-                        f"known: {', '.join(sorted(set(own) | known))}")
+                        f"did you mean {' or '.join(dict.fromkeys(near))}? known: {', '.join(everything)}" if near
+                        else f"known: {', '.join(everything)}")
     if run_dir is None and (options.get("ckpt_every") or options.get("async_ckpt")):
         raise UserError("checkpoint options were given but no run_dir to write checkpoints into",
                         'pass run_dir to ddp_kit.init(run_dir="runs/my_run", ...)')

@@ -105,7 +105,7 @@ class Checkpointer:
                 raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite"
                                 f"{f' ({bad[0]} on rank {self.ctx.rank})' if bad else ' (on another rank)'}; last "
                                 f"checkpoint: {latest_name(self.root)}",
-                                "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint",
+                                "lower lr, try amp off, or check the data; a rerun resumes from the last checkpoint",
                                 verdict=True)
         # Every rank holds the same weights, so every rank reaches the same verdict. Flat state dicts
         # (a model's, under any name) are checked; nested ones (an optimizer's) are not.
@@ -115,7 +115,7 @@ class Checkpointer:
             raise UserError(f"checkpoint step_{step} not saved: the model's weights are not finite "
                             f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); last checkpoint: "
                             f"{latest_name(self.root)}",
-                            "lower --lr, try --amp off, or check the data; a rerun resumes from the last checkpoint")
+                            "lower lr, try amp off, or check the data; a rerun resumes from the last checkpoint")
         if self.async_save:
             if self.ctx.is_main:  # one flat buffer per file: torch.save writes one storage per file
                 prev = self._buffers or {}
@@ -207,7 +207,7 @@ class Checkpointer:
             # hours of training with no restart point is the worse surprise. The rerun resumes.
             raise UserError(f"disk full while writing checkpoint step_{step} to {str(self.root)!r}: it needs about "
                             f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; last checkpoint: {latest_name(self.root)}",
-                            "free space on that disk, or lower --keep_last; then rerun the same command to resume",
+                            "free space on that disk, or lower keep_last; then rerun the same command to resume",
                             local=True) from None
 
     def _commit_files(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> None:

@@ -77,11 +77,11 @@ def choose(root: Path, resume: str, warn: Callable[[str], None]) -> tuple[str, i
         path = Path(resume)
         if not path.exists():
             raise UserError(f"checkpoint {str(path)!r} does not exist",
-                            "pick one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
+                            "pick one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use resume auto")
         reason = validate(path)
         if reason:
             raise UserError(f"checkpoint {str(path)!r} cannot be resumed: {reason}",
-                            "pick a valid one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use --resume auto")
+                            "pick a valid one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use resume auto")
         meta = json.loads((path / "meta.json").read_text())
         return str(path), int(meta["step"])
     latest = read_latest(root)

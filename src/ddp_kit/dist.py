@@ -84,7 +84,7 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
     if device.startswith("cuda:") and device[5:].isdigit():
         if not torch.cuda.is_available() or int(device[5:]) >= torch.cuda.device_count():
             raise UserError(f"device={device} was asked for but only {torch.cuda.device_count()} GPU(s) are visible",
-                            "use --device auto, or run `python -m ddp_kit.doctor` to see why", local=True)
+                            "use device auto, or run `python -m ddp_kit.doctor` to see why", local=True)
         return torch.device(device)
     if device in ("auto", "cuda"):
         if torch.cuda.is_available():
@@ -98,7 +98,7 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
             return torch.device("cuda", env.local_rank)
         if device == "cuda":
             raise UserError("device=cuda was asked for but torch.cuda.is_available() is False",
-                            "run `python -m ddp_kit.doctor` to see why, or use --device cpu", local=True)
+                            "run `python -m ddp_kit.doctor` to see why, or use device cpu", local=True)
         return torch.device("cpu")
     raise UserError(f"unknown device {device!r}", "use auto, cpu or cuda")
 
@@ -130,11 +130,11 @@ def choose_backend(device: torch.device, backend: str = "auto", shared_gpu: bool
     """`shared_gpu`: every rank of the node was put on one GPU (device="cuda:<i>"), which NCCL refuses."""
     if shared_gpu and backend == "nccl":
         raise UserError(f"device={device} puts several ranks on one GPU, which NCCL refuses",
-                        "use --backend gloo (or auto) with a shared GPU, or --device auto for one GPU per rank", local=True)
+                        "use backend gloo (or auto) with a shared GPU, or device auto for one GPU per rank", local=True)
     if backend == "auto":
         return "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise UserError("backend nccl needs CUDA devices but this run is on cpu", "use --backend gloo (or auto)",
+        raise UserError("backend nccl needs CUDA devices but this run is on cpu", "use backend gloo (or auto)",
                         local=True)
     return backend
 

@@ -236,6 +236,7 @@ class Guard:
     def _stepping(self, *_) -> None:
         if self._not_a_step:
             return
+        self.progress.enter("optimizer", self.done + 1)  # an error in optimizer.step() is named as being there
         self.timer.mark("backward")
         if self._measure_grads:
             self._measure_grads = False
@@ -244,6 +245,8 @@ class Guard:
     def _stepped(self, *_) -> None:
         if self._not_a_step:
             return
+        # The loop's own work after the optimizer step (scheduler.step(), zero_grad) is not forward/backward.
+        self.progress.enter("after step", self.done + 1)
         self.timer.mark("optimizer")
         self.pending = not self.explicit
 
@@ -362,6 +365,10 @@ class Guard:
             for note in notes:
                 self.say(f"ddp_kit: warning: {note}")
         self._archive_abandoned()
+        if self.policy.ckpt_every == 0 and self.rd is not None:
+            every = self.policy.ckpt_every_s
+            self.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
+                     f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
         return self.done
 
     def _archive_abandoned(self) -> None:

@@ -42,5 +42,5 @@ class NonFiniteLoss:
         raise UserError(f"the loss became non-finite (NaN/inf) at step {step} on rank(s) "
                         f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''}; stopped without saving "
                         f"these weights; last checkpoint: {last}",
-                        "lower --lr, try --amp off or bf16 instead of fp16, or check the data at that step; "
+                        "lower lr, try amp off or bf16 instead of fp16, or check the data at that step; "
                         "a rerun resumes from the last checkpoint")

@@ -73,7 +73,7 @@ def check_writable(path: Path) -> None:
         why = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable (permission denied)",
                errno.ENOTDIR: "is under a regular file, not a folder", errno.ENOSPC: "is on a full disk",
                errno.EEXIST: "exists and is not a folder"}.get(exc.errno, f"cannot be written ({exc.strerror})")
-        raise UserError(f"run_dir {str(path)!r} {why}", "pass a writable folder with --run_dir", local=True) from None
+        raise UserError(f"run_dir {str(path)!r} {why}", "pass a writable folder as run_dir", local=True) from None
 
 
 class RunLock:
@@ -112,7 +112,7 @@ class RunLock:
                 who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, job {holder.get('job_id') or 'none'}"
                        if holder else "a process that has not written its name yet")
                 raise UserError(f"run_dir {str(self.path.parent)!r} is in use by another job ({who})",
-                                "wait for it to finish, stop it, or use another --run_dir")
+                                "wait for it to finish, stop it, or use another run_dir")
             time.sleep(0.2)  # our own previous attempt (requeue, torchrun restart) is still exiting
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job_id": self.job_id,

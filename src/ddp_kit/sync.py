@@ -162,7 +162,7 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
         return f"parameters diverged from rank 0 at step {step} ({where}); re-broadcast from rank 0"
     raise UserError(f"parameters diverged across ranks at step {step} (sync check): {where}",
                     "a rank updated its weights differently (non-deterministic code on one rank, a skipped step, "
-                    "a buffer changed on one rank only); --sync_fix broadcast repairs it instead", verdict=True)
+                    "a buffer changed on one rank only); sync_fix broadcast repairs it instead", verdict=True)
 
 
 # ---- main_only guard ------------------------------------------------------------------------------

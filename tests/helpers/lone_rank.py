@@ -10,6 +10,8 @@ saved   (2 ranks) ranks train on very different data (their BatchNorm statistics
         evaluate through run.eval_loader with the unwrapped module (as the reference job and many
         scripts do: no DDP forward, so DDP's own buffer broadcast never runs): the output printed is the one the final
         checkpoint's model.pt gives (the test recomputes it in one process).
+save    (2 ranks) the script saves model.state_dict() of the wrapped model itself, on every rank, twice:
+        one warning, printed once.
 stall   (2 ranks) rank 0 sleeps inside main_only() past hang_timeout_s: the hang report names it.
 """
 import sys
@@ -111,6 +113,13 @@ elif mode == "saved":
             total += float(run.unwrap(model)(x).double().sum())
     (total,) = run.sum(total)
     run.print(f"eval output sum: {total!r}")
+    run.close()
+elif mode == "save":
+    run = ddp_kit.init(timeout_s=60)
+    model = run.prepare(bn_model())
+    for _ in range(2):
+        torch.save(model.state_dict(), f"{sys.argv[2]}/rank{run.rank}.pt")
+    run.print(f"keys: {sorted(model.state_dict())[:1]}")
     run.close()
 elif mode == "stall":
     run = ddp_kit.init(run_dir=sys.argv[2], timeout_s=60, hang_timeout_s=6, peer_timeout_s=0)
