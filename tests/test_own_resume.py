@@ -1,6 +1,8 @@
-"""Your own script rerun with a changed recipe (real processes, one rank): a config passed to
+"""Your own script (real processes, one rank): rerun with a changed recipe, a config passed to
 ddp_kit.init is held to the reference job's rules (refused, or applied and said), and without a
-config the resume line names the optimizer settings the checkpoint overrides."""
+config the resume line names the optimizer settings the checkpoint overrides; a clean end writes
+summary.json and the last record; a finished run rerun says so; an error after optimizer.step()
+names that phase."""
 import sys
 
 import pytest
@@ -48,3 +50,18 @@ def test_an_error_in_scheduler_step_names_the_phase_after_the_optimizer_step():
     said = [ln for ln in res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
     assert res.returncode != 0 and len(said) == 1, res.stderr
     assert "failed at step 2 in after step: RuntimeError: scheduler broke" in said[0], said
+
+
+@pytest.mark.slow
+def test_a_clean_end_writes_the_summary_and_the_last_record_and_a_finished_run_says_so(tmp_path):
+    import json
+
+    ok(script(tmp_path, 0.01, False, 7))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 7 and summary["world_size"] == 1 and summary["param_sha256_all_ranks_equal"] is True
+    assert len(summary["param_sha256"]) == 64 and summary["resumed_from_step"] is None
+    records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "train"][-1] == 7  # the picture ends where the run did
+    again = ok(script(tmp_path, 0.01, False, 7))
+    said = [ln for ln in again.stdout.splitlines() if ln.startswith("ddp_kit: nothing left to train")]
+    assert len(said) == 1 and "resumed at step 7" in said[0] and "resume='never'" in said[0], again.stdout

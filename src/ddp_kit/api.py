@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler, Subset,
                               SubsetRandomSampler, WeightedRandomSampler)
 
-from .data import TrainLoader, check_sized, eval_loader
+from .data import TrainLoader, check_sized, eval_loader, per_rank_batch
 from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
@@ -150,6 +150,7 @@ class Run:
         """
         dataset, shuffle, seed = self._sampling(loader)
         batch = loader.batch_size * (1 if self.split_batches else self.world_size)
+        per_rank_batch(batch, self.world_size, grad_accum)  # an error that stops the run comes first, alone
         tail = len(dataset) % batch
         if tail and not loader.drop_last and self.is_main and len(dataset) >= batch:
             which = f"a different {tail} each epoch" if shuffle else f"the last {tail}, every epoch"

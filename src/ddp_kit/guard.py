@@ -55,7 +55,7 @@ from .recipe import refuse_changed
 from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 from .state import TrainState
 from .fsdp import load_state_dicts, memory_bytes, state_dicts
-from .sync import check_agreement, check_consistency, optimizer_steps, shapes_digest
+from .sync import check_agreement, check_consistency, optimizer_steps, param_sha256, shapes_digest
 from .peerloss import disable_crash_dump, enable_crash_dump
 from .progress import Progress
 from .watchdog import Watchdog
@@ -131,6 +131,10 @@ class Guard:
         self._window_n = 0
         self._last_log = (time.perf_counter(), 0)
         self._last_save_t = time.monotonic()
+        self._started = time.perf_counter()
+        self._summary_written = False  # the script (or the reference job) wrote summary.json itself
+        self._last_eval: dict[str, Any] = {}  # the last record logged with event "eval" (run.log_event)
+        self._last_train: dict[str, Any] = {}
         self._agreed = False
         self._ckpt: Checkpointer | None = None
         self._lock: RunLock | None = None
@@ -344,6 +348,7 @@ class Guard:
                                      lambda template: ckpt.load_sharded(found, template))
             self.done = self.saved_step = int(shared["loop"]["step"])
             self.resumed_from, self.resumed_path = self.done, found.path
+            self._last_log = (time.perf_counter(), self.done)  # samples/s counts this process's steps only
             self.progress.enter("startup", self.done)
             if self.ctx.world_size > 1 and self.loaders:
                 for model in self.models:  # see wrap.settle_ddp_buckets: bit-identical resume needs it
@@ -581,20 +586,53 @@ class Guard:
         return record
 
     def write(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "eval":
+            self._last_eval = record
+        elif record.get("event") == "train":
+            self._last_train = record
         if self._writer is not None:
             self._writer.log(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        self._summary_written = True
         if self._writer is not None:
             self._writer.write_summary(summary)
+
+    def _default_summary(self) -> dict[str, Any]:
+        """What the reference job's summary.json holds, for a script that writes none: the same
+        keys where they exist, the last eval record's values, and the final weights' digest. Collective."""
+        model = self.models[0] if self.models else None
+        digest = param_sha256(unwrap(model)) if model is not None else None
+        equal = None
+        if digest is not None and self.strategy != "fsdp":  # FSDP: every rank hashes the same gathered weights
+            digests = gather_object(self.ctx, digest)
+            equal = None if digests is None else all(d == digest for d in digests)
+        evals = {k: v for k, v in self._last_eval.items() if k not in ("event", "step", "epoch", "time")}
+        out = {"world_size": self.ctx.world_size, "steps": self.done, "epochs": self.epoch,
+               "train_loss": self._last_train.get("loss"), "wall_s": time.perf_counter() - self._started, **evals,
+               "param_sha256": digest, "param_sha256_all_ranks_equal": equal,
+               "ddp_kit": __version__, "torch": torch.__version__, "backend": self.ctx.backend,
+               "device": str(self.ctx.device), "resumed_from_step": self.resumed_from or None,
+               "strategy": self.strategy, "model_state_bytes": self.memory}
+        if self.config is not None:
+            out["config_hash"] = config_hash(self.config)
+        return out
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
         if self.stopped or self.failed:
             return
         self.flush()
+        if self.resumed_from is not None and self.done == self.resumed_from:
+            self.say(f"ddp_kit: nothing left to train: this run resumed at step {self.done} (epoch {self.epoch}), where "
+                     f"it had already finished; to start afresh pass resume='never' (--resume never; the old "
+                     f"checkpoints move to {self.rd.archive}/) or a new run_dir, or raise the epochs/steps to go on")
+        if self.policy.log_every and self.done > self._last_log[1]:
+            self.log()  # the last steps since the last record: the picture and the summary end where the run did
         if self.state and self.rd is not None and not (self.stopped or self.failed):
             self.save()
+        if self.rd is not None and not self._summary_written:
+            self.write_summary(self._default_summary())
 
     def heartbeat(self, phase: str) -> None:
         self.progress.enter(phase)

@@ -139,9 +139,12 @@ class Watchdog:
         if silent < self.peer_timeout_s or last.get("left") or last.get("hang"):
             return  # left on purpose, or waiting for rank 0's hang report (which it will get)
         self._peer_seen = (beat, now)  # said once
+        # A heartbeat is published once a poll: with fast steps the rank's last one trails its last
+        # step by many steps, so the step is said as the heartbeat's, beside this rank's own.
         err = RuntimeError(f"rank {self._peer} stopped answering: no heartbeat for {silent:.0f}s (its process was killed "
-                           f"or is frozen), last seen on {last.get('host')} at step {last.get('step')} in "
-                           f"{last.get('phase')}, at {last.get('where')}")
+                           f"or is frozen); its last heartbeat, from {last.get('host')} at step {last.get('step')} in "
+                           f"{last.get('phase')}, at {last.get('where')}, may trail its last step by up to "
+                           f"{self.poll_s:g}s of steps (rank {self.rank} is at step {self.progress.step})")
         print(f"ddp_kit: [rank {self.rank}] {err}", file=sys.stderr, flush=True)
         post(self.store, self._peer, int(last.get("step") or 0), str(last.get("phase")), err)
 
