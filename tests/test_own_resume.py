@@ -65,3 +65,15 @@ def test_a_clean_end_writes_the_summary_and_the_last_record_and_a_finished_run_s
     again = ok(script(tmp_path, 0.01, False, 7))
     said = [ln for ln in again.stdout.splitlines() if ln.startswith("ddp_kit: nothing left to train")]
     assert len(said) == 1 and "resumed at step 7" in said[0] and "resume='never'" in said[0], again.stdout
+
+
+@pytest.mark.slow
+def test_an_indivisible_batch_is_refused_alone_before_the_skipped_samples_note():
+    code = ("import torch, ddp_kit\n"
+            "from torch.utils.data import DataLoader, TensorDataset\n"
+            "run = ddp_kit.init()\n"
+            "run.prepare(DataLoader(TensorDataset(torch.randn(25, 2)), batch_size=10), grad_accum=3)\n")
+    res = run_cmd([sys.executable, "-c", code], timeout=120)
+    ours = [ln for ln in res.stderr.splitlines() if ln.startswith("ddp_kit:") and "intra-op" not in ln]
+    assert res.returncode == 2 and len(ours) == 1, res.stderr
+    assert "does not divide into world_size 1 x grad_accum 3" in ours[0], ours
