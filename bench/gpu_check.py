@@ -1,143 +1,150 @@
-"""The GPU acceptance check: one command on one CUDA machine, under 8 minutes on an H200.
+"""The GPU acceptance check: every part judges what it measures against a threshold written beside
+it, and prints PASS / FAIL with the figure.
 
-    python bench/gpu_check.py [--out bench/gpu_results.json] [--steps 200] [--rounds 3]
+    bash bench/gpu_device.sh                        # the device command (BENCHMARKS.md, "GPU acceptance")
+    python bench/gpu_check.py [--out DIR] [--only doctor,checkpoint] [--budget_s 330]
 
-Each part runs on its own, with its own time limit; a part that fails is recorded as failed with
-its reason and the others still run. Parts:
-  pytest_cuda   `pytest -m cuda tests` (the GPU-only tests)
-  step_ratio    resnet18 on CIFAR-shaped data, bf16, batch 256: the ddp_kit API loop (run.step,
-                checkpoints, sync checks, preemption checks, per-rank metrics on) against the bare loop,
-                alternated round by round; median step time, ratio and its min..max, images/s
-  host_syncs    device->host syncs per step of that API loop (torch.cuda.set_sync_debug_mode), in
-                steady-state steps and at log / sync-check events
-  checkpoint    the training thread's blocking time of ddp_kit's async save against torch.save
-  oom_report    `python -m ddp_kit.train` under a memory-fraction cap: the OOM report is printed
-  fsdp_fit      a model that does not fit without FSDP: bench/big_model.py (6.6 GB of weights,
-                gradients and AdamW state) on the GPU capped at 3 GiB; DDP runs out of memory,
-                --strategy fsdp --fsdp_cpu_offload true trains, checkpoints and evaluates
-  doctor        `python -m ddp_kit.doctor --json --memory --comm`
-  straggler     2 ranks on the one GPU (gloo), rank 1's GPU slowed with torch.cuda._sleep
-                (bench/gpu_straggler.py): the straggler warning names rank 1
+Each part runs in a process of its own under a hard limit; one that hangs, crashes or exits loses
+only itself. The limits are cut to fit `--budget_s` in all (the device command must end within 6
+minutes, so a rerun still fits in a 15-minute lease). DIR/gpu_results.json (valid JSON after every
+part) and DIR/gpu_check.log (every part's output) are written as it goes. Without CUDA every GPU
+part says "skipped: no CUDA"; the others still run. Exit 0 unless a part FAILed.
 
-Without CUDA it says so and exits 0. Writes the JSON report and prints the BENCHMARKS.md table.
+No third-party imports here beyond torch: the GPU machine's Python has no `fire`, and the device
+command carries it only for ddp_kit's own commands.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-
-import fire
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+PY = sys.executable
 
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    limit_s: float  # its hard limit when the budget allows
+    cuda: bool  # needs a GPU: "skipped: no CUDA" without one
+    threshold: str  # what PASS means, printed beside the figure
+
+
+# ---- helpers --------------------------------------------------------------------------------------
 
 def _sub(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run `cmd` in its own session; on timeout kill that whole process group (torchrun's workers too)."""
     t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                             env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as exc:
-        return {"ok": False, "why": f"timed out after {timeout}s", "tail": str(exc.stdout or "")[-2000:]}
-    return {"ok": res.returncode == 0, "rc": res.returncode, "s": round(time.monotonic() - t0, 1),
-            "stdout": res.stdout[-3000:], "stderr": res.stderr[-3000:]}
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return {"rc": None, "timed_out": True, "s": round(time.monotonic() - t0, 1), "stdout": out, "stderr": err}
+    return {"rc": p.returncode, "timed_out": False, "s": round(time.monotonic() - t0, 1), "stdout": out, "stderr": err}
 
 
-def pytest_cuda() -> dict:
-    out = _sub([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"], 240)
-    last = (out.get("stdout") or "").strip().splitlines()[-1:] or [""]
-    return {"ok": out["ok"], "summary": last[0], "tail": out.get("stdout", "")[-1500:]}
+def _verdict(ok: bool, figure: str, **details) -> dict:
+    return {"verdict": "PASS" if ok else "FAIL", "figure": figure, **details}
 
 
-def _data(n: int, device):
+def _data(n: int):
     import torch
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (n,), generator=g)
-    return torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def _model():
+def _resnet():
     import torch
     import torchvision
     torch.manual_seed(0)
     return torchvision.models.resnet18(num_classes=10)
 
 
-def _timed_loop(step_fn, loader, steps: int, skip: int) -> float:
-    """Median seconds per step over `steps` steps after `skip`, in windows of 10 steps timed between
-    two cuda synchronize calls (so the loop itself never waits for the GPU inside a window)."""
+def _step_fn(model, opt, device):
     import torch
-    times, it, done = [], iter(loader), 0
-    t0 = None
-    while done < steps + skip:
+
+    def step(batch):
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def _timed(step, loader, steps: int, warmup: int) -> tuple[float, float]:
+    """(median seconds per step over windows of 10, whole seconds per step) over `steps` steps after
+    `warmup`; the whole figure includes every event step (checkpoints, logs), the median does not."""
+    import torch
+    it, done, windows, t_start, t0 = iter(loader), 0, [], None, None
+    while done < warmup + steps:
         try:
             batch = next(it)
         except StopIteration:
             it = iter(loader)
             continue
-        step_fn(batch)
+        step(batch)
         done += 1
-        if done == skip or (done > skip and (done - skip) % 10 == 0):
+        if done >= warmup and (done - warmup) % 10 == 0:
             torch.cuda.synchronize()
             now = time.perf_counter()
             if t0 is not None:
-                times.append((now - t0) / 10)
+                windows.append((now - t0) / 10)
             t0 = now
-    return statistics.median(times)
+            t_start = now if t_start is None else t_start
+    return statistics.median(windows), (t0 - t_start) / steps
 
 
-def _raw_variant(steps: int, skip: int, batch: int) -> float:
+def _raw(steps: int, warmup: int, batch: int) -> tuple[float, float]:
     import torch
 
     from ddp_kit.wrap import kernel_settings
     dev = torch.device("cuda")
-    kernel_settings(dev)  # the same TF32 / cudnn.benchmark switches ddp_kit.init sets: like against like
-    model = _model().to(dev)
+    kernel_settings(dev)  # the TF32 / cudnn.benchmark switches ddp_kit.init sets: like against like
+    model = _resnet().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-    loader = torch.utils.data.DataLoader(_data(batch * 40, dev), batch_size=batch, shuffle=True, drop_last=True,
+    loader = torch.utils.data.DataLoader(_data(batch * 40), batch_size=batch, shuffle=True, drop_last=True,
                                          pin_memory=True)
-
-    def step(b):
-        x, y = (t.to(dev, non_blocking=True) for t in b)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return _timed_loop(step, loader, steps, skip)
+    return _timed(_step_fn(model, opt, dev), loader, steps, warmup)
 
 
-def _api_variant(steps: int, skip: int, batch: int, run_dir: str, count_syncs: bool = False):
+def _kit(steps: int, warmup: int, batch: int, run_dir: str, features: bool, count_syncs: bool = False):
     import torch
 
     import ddp_kit
-    run = ddp_kit.init(run_dir=run_dir, resume="never", ckpt_every=100, async_ckpt=True, log_every=50,
-                       sync_check_every=100, preempt_check_every=10)
-    # Counting: one epoch holds every counted step, so no step's owed end-of-epoch checks run inside
-    # the loader's fetch, outside the count.
-    n = batch * (120 if count_syncs else 40)
-    model, loader = run.prepare(_model(), torch.utils.data.DataLoader(_data(n, run.device), batch_size=batch,
-                                                                       shuffle=True, drop_last=True))
+    on = dict(ckpt_every=100, async_ckpt=True, log_every=50, sync_check_every=100, preempt_check_every=10)
+    off = dict(ckpt_every=0, ckpt_every_s=0, log_every=0, sync_check_every=0, preempt_check_every=0,
+               rank_metrics=False, hang_timeout_s=0)
+    run = ddp_kit.init(run_dir=run_dir, resume="never", **(on if features else off))
+    # one epoch holds every counted step, so no step's owed end-of-epoch work runs outside the count
+    n = batch * (warmup + steps + 10)
+    model, loader = run.prepare(_resnet(), torch.utils.data.DataLoader(_data(n), batch_size=batch, shuffle=True,
+                                                                       drop_last=True))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     run.resume(optimizer=opt)
+    inner = _step_fn(model, opt, run.device)
     syncs: list[tuple[int, int]] = []
 
     def step(b):
-        x, y = (t.to(run.device, non_blocking=True) for t in b)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return run.step(loss)
+        return run.step(inner(b))
 
     def counted(b):  # the whole step (copy in, forward, backward, optimizer, boundary), counted
         with warnings.catch_warnings(record=True) as caught:
@@ -150,192 +157,311 @@ def _api_variant(steps: int, skip: int, batch: int, run_dir: str, count_syncs: b
         syncs.append((done, sum("synchroniz" in str(w.message).lower() for w in caught)))
     try:
         if count_syncs:
-            _timed_loop(counted, loader, 100, 10)
+            _timed(counted, loader, steps, warmup)
             return syncs
-        return _timed_loop(step, loader, steps, skip)
+        return _timed(step, loader, steps, warmup)
     finally:
         run.close()
 
 
-def step_ratio(steps: int, rounds: int, batch: int = 256) -> dict:
-    raw, api = [], []
-    with tempfile.TemporaryDirectory() as d:
-        for r in range(rounds):
-            order = ("raw", "api") if r % 2 == 0 else ("api", "raw")
-            for v in order:
-                if v == "raw":
-                    raw.append(_raw_variant(steps, 20, batch))
-                else:
-                    api.append(_api_variant(steps, 20, batch, f"{d}/api{r}"))
-    ratios = [a / b for a, b in zip(api, raw)]
-    return {"ok": True, "batch": batch, "raw_ms": statistics.median(raw) * 1e3, "api_ms": statistics.median(api) * 1e3,
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "raw_img_s": batch / statistics.median(raw), "api_img_s": batch / statistics.median(api)}
+# ---- parts ----------------------------------------------------------------------------------------
+
+def part_doctor() -> dict:
+    res = _sub([PY, "-m", "ddp_kit.doctor", "--json", "--memory", "--comm"], 60)
+    try:
+        report = json.loads(res["stdout"])
+    except ValueError:
+        return _verdict(False, "stdout is not JSON", stdout=res["stdout"][-1500:], stderr=res["stderr"][-1500:])
+    return _verdict(True, f"valid JSON, rc {res['rc']}", report=report)
 
 
-def host_syncs(batch: int = 256) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        per_step = _api_variant(0, 0, batch, d, count_syncs=True)
-    # every 10th step carries an event: the preemption check (10), a log record (50), a sync check
-    # and a checkpoint (100); the other steps are the steady state
-    steady = [n for s, n in per_step if s % 10]
-    at_events = {s: n for s, n in per_step if not s % 10}
-    return {"ok": True, "steady_steps": len(steady), "steady_syncs_max": max(steady or [0]),
-            "steady_syncs_total": sum(steady), "syncs_at_events": at_events}
-
-
-def checkpoint() -> dict:
+def part_checkpoint() -> dict:
     import torch
 
     from ddp_kit.checkpoint import Checkpointer
-    from ddp_kit.staging import tensors_in
     from ddp_kit.dist import distributed
+    from ddp_kit.staging import tensors_in
     dev = torch.device("cuda")
-    model = _model().to(dev)
+    model = _resnet().to(dev)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     model(torch.randn(8, 3, 32, 32, device=dev)).sum().backward()
     opt.step()
     shared = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    out: dict = {"ok": True, "state_mb": sum(t.numel() * t.element_size() for t in tensors_in(shared)) / 2**20}
+    mib = sum(t.numel() * t.element_size() for t in tensors_in(shared)) / 2**20
     with tempfile.TemporaryDirectory() as d, distributed() as ctx:
         saves, blocks = [], []
-        for i in range(5):
+        for _ in range(4):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             torch.save(shared, f"{d}/plain.pt")
             saves.append(time.perf_counter() - t0)
         ck = Checkpointer(ctx, f"{d}/ckpt", async_save=True)
-        for i in range(5):
+        for i in range(4):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             ck.save(i + 1, shared, {"rng": torch.get_rng_state()}, {})
             blocks.append(time.perf_counter() - t0)
             ck.wait()
-        loaded = subprocess.run([sys.executable, "-c", "import torch,sys; sd=torch.load(sys.argv[1], weights_only=True); "
-                                 "print(all(t.device.type=='cpu' for t in sd.values()))", f"{d}/ckpt/step_5/model.pt"],
-                                capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    out.update(torch_save_ms=statistics.median(saves) * 1e3, async_block_ms=statistics.median(blocks[1:]) * 1e3,
-               first_async_block_ms=blocks[0] * 1e3, model_pt_loads_without_gpu=loaded.stdout.strip() == "True")
-    out["ratio"] = out["async_block_ms"] / out["torch_save_ms"]
-    return out
+        # map_location absent, in a process that sees no GPU: the file must hold CPU tensors only
+        loaded = _sub([PY, "-c", "import torch,sys; sd=torch.load(sys.argv[1], weights_only=True); "
+                       "print(all(t.device.type=='cpu' for t in sd.values()))", f"{d}/ckpt/step_4/model.pt"],
+                      60, env={"CUDA_VISIBLE_DEVICES": ""})
+    save_ms, block_ms = statistics.median(saves) * 1e3, statistics.median(blocks[1:]) * 1e3
+    ratio = block_ms / save_ms
+    cpu_ok = loaded["stdout"].strip() == "True"
+    return _verdict(ratio <= 0.25 and cpu_ok, f"async blocks {block_ms:.1f} ms vs torch.save {save_ms:.1f} ms "
+                    f"(ratio {ratio:.3f}) for {mib:.0f} MiB; model.pt loads on a CPU-only process: {cpu_ok}",
+                    ratio=ratio, async_block_ms=block_ms, torch_save_ms=save_ms, first_block_ms=blocks[0] * 1e3,
+                    model_pt_loads_without_gpu=cpu_ok, load_stderr=loaded["stderr"][-800:])
+
+
+def part_host_syncs() -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        per_step = _kit(100, 10, 256, d, features=True, count_syncs=True)
+    # steps 1..10 are warm-up (allocator, cuDNN autotuning); every 10th step carries an event (the
+    # preemption check; a log record at 50; a sync check and a checkpoint at 100)
+    steady = [n for s, n in per_step if s > 10 and s % 10]
+    events = {s: n for s, n in per_step if s > 10 and not s % 10}
+    worst = max(steady or [0])
+    return _verdict(bool(steady) and worst == 0, f"max {worst} sync(s) over {len(steady)} steady-state steps; "
+                    f"at events: {events}", steady_steps=len(steady), steady_syncs_max=worst, syncs_at_events=events)
+
+
+def part_step_ratio() -> dict:
+    raw, bare, full, raw_w, bare_w, full_w = [], [], [], [], [], []
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(3):  # alternated: the order rotates, so warming of the GPU favours no variant
+            for v in ("raw", "bare", "full")[r:] + ("raw", "bare", "full")[:r]:
+                if v == "raw":
+                    m, w = _raw(200, 20, 256)
+                    raw.append(m), raw_w.append(w)
+                else:
+                    m, w = _kit(200, 20, 256, f"{d}/{v}{r}", features=v == "full")
+                    (bare if v == "bare" else full).append(m), (bare_w if v == "bare" else full_w).append(w)
+    step = statistics.median(b / a for a, b in zip(raw, bare))
+    loop = statistics.median(f / a for a, f in zip(raw_w, full_w))
+    return _verdict(step <= 1.03 and loop <= 1.10,
+                    f"step alone {step:.3f}x raw (median window), whole loop with checkpoints and logs {loop:.3f}x "
+                    f"raw (wall time); raw {statistics.median(raw) * 1e3:.2f} ms/step, "
+                    f"{256 / statistics.median(raw):.0f} img/s", step_ratio=step, loop_ratio=loop,
+                    raw_ms=[x * 1e3 for x in raw], bare_ms=[x * 1e3 for x in bare], full_ms=[x * 1e3 for x in full],
+                    raw_wall_ms=[x * 1e3 for x in raw_w], full_wall_ms=[x * 1e3 for x in full_w])
+
+
+AMP_TOLERANCE = 0.05  # relative difference from fp32 at every logged step after 10
+
+
+def part_amp() -> dict:
+    curves = {}
+    for amp in ("off", "bf16", "fp16"):  # fp16 runs under ddp_kit's GradScaler
+        with tempfile.TemporaryDirectory() as d:
+            res = _sub([PY, "-m", "ddp_kit.train", "--model", "cnn", "--dataset", "synthetic", "--synthetic_size",
+                        "4096", "--max_steps", "60", "--log_every", "5", "--amp", amp, "--device", "cuda",
+                        "--progress", "false", "--run_dir", d], 60)
+            path = Path(d, "metrics.jsonl")
+            records = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+        curves[amp] = {r["step"]: r["loss"] for r in records if r.get("event") == "train" and "loss" in r}
+        if res["rc"] != 0:
+            return _verdict(False, f"amp {amp} failed (rc {res['rc']})", stderr=res["stderr"][-1500:])
+    worst = {amp: max(abs(curves[amp][s] - ref) / abs(ref) for s, ref in curves["off"].items() if s > 10 and s in curves[amp])
+             for amp in ("bf16", "fp16")}
+    return _verdict(all(v <= AMP_TOLERANCE for v in worst.values()),
+                    f"largest relative loss difference from fp32: bf16 {worst['bf16']:.3f}, fp16+GradScaler "
+                    f"{worst['fp16']:.3f} (tolerance {AMP_TOLERANCE})", curves=curves, worst=worst)
 
 
 OOM_SCRIPT = ("import sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv[1])); "
               "sys.argv = ['ddp_kit.train'] + sys.argv[2:]; from ddp_kit.train import main; main()")
 
 
-def oom_report() -> dict:
+def part_oom_report() -> dict:
     with tempfile.TemporaryDirectory() as d:
-        res = _sub([sys.executable, "-c", OOM_SCRIPT, "0.005", "--model", "resnet18", "--dataset", "synthetic",
-                    "--batch_size", "4096", "--max_steps", "3", "--progress", "false", "--run_dir", d], 180)
-    text = res.get("stderr", "")
-    lines = [line for line in text.splitlines() if line.startswith("ddp_kit:") or line.startswith("  ")]
-    named = any("out of memory" in line.lower() for line in lines)
-    return {"ok": res.get("rc") not in (0, None) and named, "rc": res.get("rc"), "lines": lines[:12]}
+        res = _sub([PY, "-c", OOM_SCRIPT, "0.005", "--model", "resnet18", "--dataset", "synthetic",
+                    "--batch_size", "4096", "--max_steps", "3", "--progress", "false", "--run_dir", d], 90)
+    err = res["stderr"]
+    failed = re.search(r"ddp_kit: error: rank (\d+) failed at step (\d+) in ([a-z /]+): \w*OutOfMemoryError", err)
+    report = re.search(r"ddp_kit: \[rank \d+\] out of GPU memory on cuda:\d+: allocated [\d.]+ GiB.*of [\d.]+ GiB", err)
+    advice = "try: --grad_accum" in err
+    ok = res["rc"] not in (0, None) and bool(failed and report and advice)
+    return _verdict(ok, (f"rank {failed.group(1)}, step {failed.group(2)}, phase {failed.group(3)}; " if failed else
+                         "no ddp_kit error line naming rank/step/phase; ")
+                    + (report.group(0).split("] ", 1)[1] if report else "no ddp_kit memory report"),
+                    rc=res["rc"], lines=[ln for ln in err.splitlines() if ln.startswith("ddp_kit:")][:12])
+
+
+def part_hang() -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        res = _sub([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "ddp_kit.train",
+                    "--epochs", "1", "--progress", "false", "--device", "cuda", "--hang_timeout_s", "5",
+                    "--run_dir", d, "--inject", "hang:rank=0:step=3"], 60)
+        hang = Path(d, "hang")
+        traces = sorted(p.name for p in hang.glob("nccl_trace_rank_*")) if hang.is_dir() else []
+        read = _sub([PY, "-m", "torch.distributed.flight_recorder.fr_trace", "-p", "nccl_trace_rank_", str(hang)], 60) \
+            if traces else {"rc": None, "stdout": "", "stderr": "no trace file"}
+    reported = "ddp_kit: hang: no progress for" in res["stderr"]
+    ok = reported and bool(traces) and read["rc"] == 0
+    return _verdict(ok, f"hang reported: {reported}; flight-recorder files {traces or 'none'}; fr_trace rc {read['rc']}",
+                    stderr=res["stderr"][-1500:], fr_trace=(read["stdout"] + read["stderr"])[-1500:])
 
 
 FIT_GIB = 3.0  # the simulated smaller GPU: below big_model's 6.6 GB of weights + gradients + AdamW state
 
 
-def fsdp_fit(steps: int = 4) -> dict:
-    """A model that does not fit without FSDP: bench/big_model.py (415M parameters, 6.6 GB of fp32
-    weights, gradients and AdamW state) on a GPU capped at FIT_GIB (set_per_process_memory_fraction,
-    a smaller GPU simulated on the one we have). DDP must run out of memory and say so; FSDP with
-    --fsdp_cpu_offload (world 1: the shards and the optimizer step live in host memory, one block's
-    weights at a time on the GPU) must train, checkpoint (DCP, from host memory) and evaluate."""
+def part_fsdp_fit() -> dict:
+    """bench/big_model.py (415M parameters, 6.6 GB of fp32 weights, gradients and AdamW state) on a GPU
+    capped at FIT_GIB: DDP must run out of memory and say so; FSDP with CPU offload must train,
+    checkpoint and evaluate."""
     import torch
     fraction = FIT_GIB * 2**30 / torch.cuda.get_device_properties(0).total_memory
-    args = ["--model", "big_model:deep_mlp", "--dataset", "synthetic", "--synthetic_size", "1024",
-            "--batch_size", "64", "--max_steps", str(steps), "--log_every", "1", "--progress", "false"]
+    args = ["--model", "big_model:deep_mlp", "--dataset", "synthetic", "--synthetic_size", "256", "--batch_size", "64",
+            "--max_steps", "2", "--log_every", "1", "--progress", "false", "--device", "cuda"]
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    out: dict = {"cap_gib": FIT_GIB}
-    for name, extra in (("ddp", []), ("fsdp", ["--strategy", "fsdp", "--fsdp_cpu_offload", "true"])):
+    out: dict = {}
+    for name, extra, limit in (("ddp", [], 40), ("fsdp", ["--strategy", "fsdp", "--fsdp_cpu_offload", "true"], 110)):
         with tempfile.TemporaryDirectory() as d:
-            res = _sub([sys.executable, "-c", OOM_SCRIPT, str(fraction), *args, *extra, "--run_dir", d], 480, env)
-            records = [json.loads(line) for line in Path(d, "metrics.jsonl").read_text().splitlines()] \
-                if Path(d, "metrics.jsonl").exists() else []
-        ranks = [r["ranks"][0] for r in records if r.get("event") == "train" and "ranks" in r]
-        oom = "out of memory" in res.get("stderr", "").lower()
-        out[name] = {"rc": res.get("rc"), "oom": oom, "s": res.get("s"),
-                     "peak_mem_mb": max((r["peak_mem_mb"] for r in ranks), default=None),
-                     "step_s": ranks[-1]["step_s"] if ranks else None,
-                     "state_bytes": (ranks[-1].get("param_bytes", 0) + ranks[-1].get("grad_bytes", 0)
-                                     + ranks[-1].get("optim_bytes", 0)) if ranks else None,
-                     "tail": res.get("stderr", "")[-600:]}
-    out["ok"] = out["ddp"]["rc"] not in (0, None) and out["ddp"]["oom"] and out["fsdp"]["rc"] == 0
+            res = _sub([PY, "-c", OOM_SCRIPT, str(fraction), *args, *extra, "--run_dir", d], limit, env)
+            saved = any(Path(d, "checkpoints").glob("step_*/dcp/.metadata"))
+        out[name] = {"rc": res["rc"], "oom": "out of GPU memory" in res["stderr"], "s": res["s"],
+                     "checkpointed": saved, "tail": res["stderr"][-600:]}
+    ok = out["ddp"]["rc"] not in (0, None) and out["ddp"]["oom"] and out["fsdp"]["rc"] == 0 and out["fsdp"]["checkpointed"]
+    return _verdict(ok, f"capped at {FIT_GIB:g} GiB: DDP rc {out['ddp']['rc']} (out of memory: {out['ddp']['oom']}); "
+                    f"FSDP + CPU offload rc {out['fsdp']['rc']} in {out['fsdp']['s']}s, checkpointed: "
+                    f"{out['fsdp']['checkpointed']}", **out)
+
+
+def part_straggler() -> dict:
+    res = _sub([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "gpu_straggler.py")], 90)
+    lines = [ln for ln in res["stdout"].splitlines() + res["stderr"].splitlines() if "straggler" in ln]
+    named = [ln for ln in lines if "rank 1" in ln]
+    wrong = [ln for ln in lines if "rank 0" in ln and "rank 1" not in ln]
+    return _verdict(res["rc"] == 0 and bool(named) and not wrong, named[0] if named else "rank 1 not named",
+                    lines=lines, stderr=None if lines else res["stderr"][-1500:])
+
+
+def part_pytest_cuda() -> dict:
+    res = _sub([PY, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"], 120)
+    last = (res["stdout"].strip().splitlines() or [""])[-1]
+    return _verdict(res["rc"] == 0 and "passed" in last and "failed" not in last, last, tail=res["stdout"][-2500:])
+
+
+PARTS: dict[str, tuple[Part, Callable[[], dict]]] = {p.name: (p, fn) for p, fn in (
+    (Part("doctor", 45, False, "`python -m ddp_kit.doctor --json --memory --comm` prints valid JSON"), part_doctor),
+    (Part("checkpoint", 45, True, "async save blocks <= 0.25x torch.save of the same state; model.pt loads with no "
+          "map_location in a process with no GPU"), part_checkpoint),
+    (Part("host_syncs", 45, True, "0 device->host syncs in every steady-state step (after 10 warm-up steps, "
+          "event steps apart)"), part_host_syncs),
+    (Part("step_ratio", 75, True, "ddp_kit/raw step time <= 1.03 (median window), whole loop with checkpoints "
+          "and logs <= 1.10 (wall time); resnet18 bf16 batch 256, world 1, 3 alternated rounds"), part_step_ratio),
+    (Part("amp", 60, True, f"bf16 and fp16+GradScaler loss curves within {AMP_TOLERANCE:.0%} of fp32"), part_amp),
+    (Part("oom_report", 40, True, "ddp_kit's own report: the error line names rank, step and phase; the memory "
+          "line and the advice follow"), part_oom_report),
+    (Part("hang", 45, True, "a hang at world 1 under NCCL is reported and leaves a flight-recorder file in "
+          "run_dir/hang/ that torch's fr_trace reads"), part_hang),
+    (Part("straggler", 60, True, "2 ranks on the GPU, rank 1's GPU slowed: the straggler warning names rank 1 "
+          "only"), part_straggler),
+    (Part("pytest_cuda", 90, True, "`pytest -m cuda tests` passes"), part_pytest_cuda),
+    (Part("fsdp_fit", 110, True, f"a model that OOMs under DDP on a GPU capped at {FIT_GIB:g} GiB trains and "
+          "checkpoints under FSDP with CPU offload"), part_fsdp_fit),
+)}
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    import torch
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_build": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        out.update(device=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as exc:  # a build without NCCL
+            out["nccl"] = f"unavailable ({exc})"
+    smi = _sub(["nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"], 20) \
+        if _which("nvidia-smi") else None
+    out["driver"] = smi["stdout"].strip() if smi and smi["rc"] == 0 else "no nvidia-smi"
     return out
 
 
-def straggler() -> dict:
-    res = _sub([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                str(HERE / "gpu_straggler.py")], 240)
-    lines = [line for line in res.get("stdout", "").splitlines() if "straggler" in line]
-    return {"ok": res.get("ok", False) and any("rank 1" in line for line in lines), "lines": lines,
-            "stderr": None if lines else res.get("stderr")}
+def _which(name: str) -> bool:
+    return any(Path(d, name).is_file() for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-def doctor() -> dict:
-    res = _sub([sys.executable, "-m", "ddp_kit.doctor", "--json", "--memory", "--comm"], 120)
-    try:
-        report = json.loads(res.get("stdout", ""))
-    except ValueError:
-        report = None
-    return {"ok": report is not None, "rc": res.get("rc"), "report": report,
-            "stderr": None if report is not None else res.get("stderr")}
-
-
-ROWS = {  # a passed part's row in BENCHMARKS.md: (what, result)
-    "step_ratio": lambda r: (f"step time, resnet18 bf16 batch {r['batch']} (world 1)",
-                             f"raw {r['raw_ms']:.2f} ms, ddp_kit {r['api_ms']:.2f} ms: ratio {r['ratio']:.3f} "
-                             f"({r['ratio_min']:.3f}..{r['ratio_max']:.3f}); {r['api_img_s']:.0f} img/s"),
-    "host_syncs": lambda h: ("host syncs per steady-state step",
-                             f"max {h['steady_syncs_max']} over {h['steady_steps']} steps; at events: {h['syncs_at_events']}"),
-    "checkpoint": lambda c: (f"checkpoint blocking ({c['state_mb']:.0f} MiB)",
-                             f"async {c['async_block_ms']:.1f} ms vs torch.save {c['torch_save_ms']:.1f} ms (ratio "
-                             f"{c['ratio']:.3f}); model.pt loads without a GPU: {c['model_pt_loads_without_gpu']}"),
-    "straggler": lambda s: ("straggler on the GPU (rank 1 slowed)", f"named: {s['lines'][0]}"),
-    "fsdp_fit": lambda f: (f"415M-parameter model (6.6 GB of state) on a GPU capped at {f['cap_gib']:.0f} GiB",
-                           f"DDP: out of memory (rc {f['ddp']['rc']}); FSDP + CPU offload: trains, peak GPU "
-                           f"{f['fsdp']['peak_mem_mb']} MB, {f['fsdp']['step_s']} s/step"),
-}
+def drive(out_dir: Path, only: list[str], budget_s: float) -> int:
+    import torch
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path, log_path = out_dir / "gpu_results.json", out_dir / "gpu_check.log"
+    deadline = time.monotonic() + budget_s
+    info = versions()
+    print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    results: dict = {"versions": info, "budget_s": budget_s, "parts": {}}
+    names = [n for n in PARTS if not only or n in only]
+    cuda = torch.cuda.is_available()
+    with open(log_path, "w") as log, tempfile.TemporaryDirectory() as work:
+        for i, name in enumerate(names):
+            part, _ = PARTS[name]
+            left = deadline - time.monotonic() - 5 * (len(names) - i - 1)  # a few seconds kept for each later part
+            if part.cuda and not cuda:
+                r = {"verdict": "skipped", "figure": "no CUDA"}
+            elif left < 10:
+                r = {"verdict": "skipped", "figure": f"out of time ({budget_s:.0f}s budget)"}
+            else:
+                limit = min(part.limit_s, left)
+                res = _sub([PY, str(Path(__file__).resolve()), "--part", name, "--work", work], limit)
+                log.write(f"===== {name} (limit {limit:.0f}s, took {res['s']}s, rc {res['rc']})\n{res['stdout']}\n"
+                          f"{res['stderr']}\n")
+                log.flush()
+                path = Path(work, f"{name}.json")
+                if res["timed_out"]:
+                    r = {"verdict": "FAIL", "figure": f"timed out after {limit:.0f}s (its hard limit)"}
+                elif path.exists():
+                    r = json.loads(path.read_text())
+                else:
+                    tail = (res["stderr"].strip().splitlines() or ["no output"])[-1]
+                    r = {"verdict": "FAIL", "figure": f"exited {res['rc']} before reporting: {tail[:300]}"}
+                r["seconds"] = res["s"]
+            r["threshold"] = part.threshold
+            results["parts"][name] = r
+            print(f"gpu_check: {name}: {r['verdict']}: {r['figure']}", flush=True)
+            results_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(table(results))
+    return 1 if any(r["verdict"] == "FAIL" for r in results["parts"].values()) else 0
 
 
 def table(results: dict) -> str:
-    out = ["| check | result |", "|---|---|"]
-    for name, v in results.items():
-        if not isinstance(v, dict):
-            continue
-        if v.get("ok") and name in ROWS:
-            what, result = ROWS[name](v)
-        else:
-            what, result = name, f"ok {v.get('summary', '')}" if v.get("ok") else f"FAILED {v.get('why', '')}"
-        out.append(f"| {what} | {result.strip()} |")
+    """The BENCHMARKS.md table of a results file."""
+    out = ["| part | verdict | figure | threshold |", "|---|---|---|---|"]
+    for name, r in results.get("parts", {}).items():
+        out.append(f"| {name} | {r.get('verdict')} | {str(r.get('figure', '')).replace('|', '/')} | {r.get('threshold', '')} |")
     return "\n".join(out)
 
 
-def main(out: str = str(HERE / "gpu_results.json"), steps: int = 200, rounds: int = 3, only: str = ""):
-    import torch
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing to measure; "
-              "run it on a GPU machine (python -m ddp_kit.doctor says why CUDA is missing)")
-        return
-    parts = {"pytest_cuda": pytest_cuda, "step_ratio": lambda: step_ratio(steps, rounds),
-             "host_syncs": host_syncs, "checkpoint": checkpoint, "straggler": straggler, "oom_report": oom_report,
-             "fsdp_fit": fsdp_fit, "doctor": doctor}
-    wanted = [p for p in (only.split(",") if only else parts) if p]
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name in wanted:
-        t0 = time.monotonic()
-        try:
-            results[name] = parts[name]()
-        except Exception as exc:  # one broken part must not hide the others' figures
-            results[name] = {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
-        results[name]["seconds"] = round(time.monotonic() - t0, 1)
-        print(f"gpu_check: {name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name]['seconds']}s)",
-              flush=True)
-        Path(out).write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(table(results))
+def run_part(name: str, work: str) -> None:
+    """One part, in this process: its verdict goes to work/<name>.json (a crash leaves none)."""
+    _, fn = PARTS[name]
+    try:
+        r = fn()
+    except BaseException as exc:  # SystemExit from the kit too: the verdict is this part's, not the driver's
+        r = {"verdict": "FAIL", "figure": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    Path(work, f"{name}.json").write_text(json.dumps(r, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(HERE / "gpu_out"), help="folder for gpu_results.json and gpu_check.log")
+    ap.add_argument("--only", default="", help="comma list of parts (default: all): " + ", ".join(PARTS))
+    ap.add_argument("--budget_s", type=float, default=330.0, help="all parts together end within this")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--work", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.part:
+        run_part(args.part, args.work)
+        return 0
+    unknown = [n for n in args.only.split(",") if n and n not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}; parts: {', '.join(PARTS)}")
+    return drive(Path(args.out), [n for n in args.only.split(",") if n], args.budget_s)
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    sys.exit(main())

@@ -186,3 +186,169 @@ def test_checkpoint_cli_list_and_export(tmp_path):
 
     state = torch.load(out, weights_only=True)
     assert set(state) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+
+
+# ---- in-process: the host side of a save (no launcher, world size 1) ----------------------------------
+
+def _alone():
+    import torch
+    from ddp_kit.dist import DistContext
+    from ddp_kit.env import DistEnv
+
+    return DistContext(DistEnv(), torch.device("cpu"), "gloo")
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-process gloo group on an in-memory store (DCP needs one), destroyed after the test."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_nonfinite_check_before_a_save_reads_once_however_many_tensors(monkeypatch):
+    """Every read of a tensor's value by the host (on a GPU, a sync) is counted: one for the whole
+    state, also when it names the bad tensors."""
+    import torch
+    from ddp_kit.checkpoint import nonfinite_tensors
+
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=getattr(torch.Tensor, name), _n=name:
+                            (reads.append(_n), _f(self, *a))[1])
+    state = {f"layer{i}.weight": torch.randn(4, 4) for i in range(50)}
+    state.update({"steps": torch.tensor(3), "empty": torch.empty(0), "note": "not a tensor"})
+    assert nonfinite_tensors(state) == [] and len(reads) == 1
+    state["layer7.weight"][1, 2] = float("nan")
+    state["layer30.weight"][0, 0] = float("-inf")
+    reads.clear()
+    assert nonfinite_tensors(state) == ["layer7.weight", "layer30.weight"] and len(reads) == 1
+
+
+class _FakeHostBuffer:
+    """Stands in for staging.HostBuffer, which registers page-locked memory with CUDA (GPU-only)."""
+    nbytes = 1 << 20
+    released = False
+
+    def release(self):
+        self.released = True
+
+
+def test_close_frees_the_host_buffers_an_async_save_keeps(tmp_path):
+    import torch
+    from ddp_kit.checkpoint import Checkpointer
+
+    ck = Checkpointer(_alone(), tmp_path, async_save=True)
+    hosts = {kind: _FakeHostBuffer() for kind in ("model", "state", "rank")}
+    ck._hosts.update(hosts)  # as a GPU save leaves them, for the next save to copy into
+    ck.save(1, {"model": {"w": torch.ones(3)}, "loop": {"step": 1}}, {"rng": torch.get_rng_state()}, {})
+    assert ck._hosts == hosts and ck._buffers  # kept between saves
+    ck.close()
+    assert all(h.released for h in hosts.values()) and not ck._hosts and ck._buffers is None
+    assert (tmp_path / "step_1" / "manifest.json").exists()  # waited for the commit first
+
+
+def test_run_close_frees_the_checkpointers_host_buffers(tmp_path):
+    import torch
+    import ddp_kit
+    from ddp_kit.env import DistEnv
+
+    run = ddp_kit.init(run_dir=str(tmp_path), env=DistEnv(), device="cpu", resume="never", async_ckpt=True,
+                       log_every=0, sync_check_every=0, ckpt_every=0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.resume(model=model, optimizer=opt)
+    host = _FakeHostBuffer()
+    run._guard.checkpointer()._hosts["rank"] = host
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    run.step()
+    run.close()  # the final checkpoint, then the teardown
+    assert host.released and (tmp_path / "checkpoints" / "step_1" / "manifest.json").exists()
+
+
+def test_stager_probe_keeps_todays_path_where_copies_are_not_kept():
+    """torch 2.11's DefaultStager drops its copies after each save: reusing it would copy into fresh
+    memory (page-locked anew on a GPU) every time, so DCP's own staging stays."""
+    import torch
+    from ddp_kit.checkpoint import _stager_reuses
+
+    class Forgetful:  # as torch 2.11's: a fresh copy at every stage()
+        def __init__(self, options):
+            pass
+
+        def stage(self, state):
+            return {k: v.clone() for k, v in state.items()}
+
+        def close(self):
+            pass
+
+    assert _stager_reuses(Forgetful, lambda **_: None) is False
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.torch_version import TorchVersion
+    if TorchVersion(torch.__version__) >= "2.14":
+        assert _stager_reuses(DefaultStager, StagingOptions)
+
+
+def _staged_pointers(monkeypatch):
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    seen = []
+    stage = DefaultStager.stage
+
+    def spy(self, state, **kw):
+        out = stage(self, state, **kw)
+        if "model" in out:  # not the probe's
+            seen.append((id(self), out["model"]["w"].data_ptr(), out["model"]["w"].is_pinned()))
+        return out
+
+    monkeypatch.setattr(DefaultStager, "stage", spy)
+    return seen
+
+
+def _sharded_saves(tmp_path, ctx, w):
+    from ddp_kit.checkpoint import Checkpointer, Found
+
+    ck = Checkpointer(ctx, tmp_path, async_save=True)
+    for step in (1, 2):
+        w.fill_(step)
+        ck.save(step, {}, {"step": step}, {}, sharded={"model": {"w": w}})
+    stager = ck._stager
+    ck.close()
+    for step in (1, 2):  # the second save refilled the copy only once the first was on disk
+        template = {"model": {"w": w.new_zeros(w.shape)}}
+        ck.load_sharded(Found(tmp_path / f"step_{step}", step), template)
+        assert bool((template["model"]["w"] == step).all())
+    return ck, stager
+
+
+def test_async_sharded_saves_copy_into_one_kept_stager(tmp_path, one_rank_group, monkeypatch):
+    import torch
+    from ddp_kit.checkpoint import reusable_stager
+
+    if reusable_stager(torch.device("cpu")) is None:
+        pytest.skip(f"torch {torch.__version__}'s stager keeps no copies: DCP stages as before")
+    seen = _staged_pointers(monkeypatch)
+    ck, stager = _sharded_saves(tmp_path, _alone(), torch.zeros(1000))
+    assert len(seen) == 2 and seen[0][:2] == seen[1][:2]  # one stager, the same host copy both times
+    assert stager is not None and ck._stager is None  # closed with the checkpointer
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_async_sharded_saves_stage_into_kept_page_locked_copies_on_gpu(tmp_path, one_rank_group, monkeypatch):
+    import torch
+    from ddp_kit.checkpoint import reusable_stager
+    from ddp_kit.dist import DistContext
+    from ddp_kit.env import DistEnv
+
+    if reusable_stager(torch.device("cuda")) is None:
+        pytest.skip(f"torch {torch.__version__}'s stager keeps no copies: DCP stages as before")
+    seen = _staged_pointers(monkeypatch)
+    ctx = DistContext(DistEnv(), torch.device("cuda", 0), "gloo")
+    _sharded_saves(tmp_path, ctx, torch.zeros(1 << 20, device="cuda"))
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][2]  # same page-locked copy both times

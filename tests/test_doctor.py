@@ -191,6 +191,24 @@ def test_doctor_runs_here_and_explains_cuda():
     assert "CUDA available" in table.stdout and table.returncode == res.returncode
 
 
+def test_doctor_json_with_active_checks_is_pure_json_on_stdout():
+    """--json --comm and --json --memory (real processes, run side by side): stdout parses as JSON
+    even though the active checks start a process group, whose startup line goes to stderr."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    doctor = [sys.executable, "-m", "ddp_kit.doctor", "--json"]
+    cmds = {"comm": doctor + ["--comm", "--comm_max_mb", "0.004"], "memory": doctor + ["--memory"]}
+    with ThreadPoolExecutor(2) as pool:
+        runs = {k: pool.submit(run_cmd, c, env={"CUDA_VISIBLE_DEVICES": ""}) for k, c in cmds.items()}
+        results = {k: f.result() for k, f in runs.items()}
+    for kind, res in results.items():
+        assert res.returncode in (0, 1, 2), res.stderr[-2000:]
+        data = json.loads(res.stdout)
+        assert kind in data and "findings" in data, sorted(data)
+        assert "intra-op thread" in res.stderr  # said, on the other stream
+    assert results["comm"].stdout and json.loads(results["comm"].stdout)["comm"]["world_size"] == 1
+
+
 @pytest.mark.slow
 def test_doctor_comm_under_torchrun():
     res = torchrun(["-m", "ddp_kit.doctor", "--comm", "--comm_max_mb", "1"], nproc=2)

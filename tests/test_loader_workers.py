@@ -102,3 +102,30 @@ def test_resumed_augmentation_is_bit_identical(tmp_path, workers):
         assert len(full) == len(pieced) == total
         for k, (a, b) in enumerate(zip(full, pieced)):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {r} step {k}: {a} != {b}"
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's, at construction: none are started
+def test_automatic_workers_fit_the_data_and_the_users_count_is_kept():
+    """The reference job's automatic count (8 on a GPU node with CPUs to spare; the GPU stands in as a
+    device type only) starts none for an in-memory TensorDataset and never more than an epoch's batches;
+    a count set on the user's own DataLoader is kept as set."""
+    from torch.utils.data import DataLoader
+    from ddp_kit.env import DistEnv
+    from ddp_kit.resources import loader_workers
+    from test_api_loader import _runs
+
+    auto = loader_workers(DistEnv(), torch.device("cuda"), cpus_visible=64)
+    assert auto == 8
+    run = _runs(world=2)[0]
+
+    def workers(dataset, batch, count):  # the workers each loader would start (none is iterated here)
+        train = run.train_loader(DataLoader(dataset, batch_size=batch, num_workers=count, drop_last=True))
+        ev = run.eval_loader(DataLoader(dataset, batch_size=batch, num_workers=count))
+        return train._loader.num_workers, ev._loader.num_workers
+
+    assert workers(TensorDataset(torch.arange(400)), 8, auto) == (0, 0)
+    assert workers(Noisy(40), 8, auto) == (5, 3)  # 5 steps an epoch; this rank's 20 eval samples: 3 batches of 8
+    assert workers(Noisy(4000), 8, auto) == (8, 8)
+    assert workers(TensorDataset(torch.arange(400)), 8, 2) == (2, 2)  # the user's own choice
+    assert workers(Noisy(40), 8, 8) == (8, 8)
+

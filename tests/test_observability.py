@@ -3,6 +3,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conftest import ok, read_json, run_cmd, torchrun
 from ddp_kit.metrics import StepTimer, StragglerWatch
@@ -68,5 +69,98 @@ def test_peak_tflops_by_exact_name_and_dtype():
     assert peak_for("NVIDIA H100 80GB HBM3", "bf16", True) == 989.0  # SXM
     assert peak_for("NVIDIA H100 PCIe", "bf16", True) == 756.0
     assert peak_for("NVIDIA H200", "off", True) == 494.0 and peak_for("NVIDIA H200", "off", False) == 67.0
+    assert peak_for("NVIDIA H200 NVL", "bf16", True) == 835.0 and peak_for("NVIDIA H200 NVL", "off", False) == 60.0
+    assert peak_for("NVIDIA H200", "bf16", True) == 989.0  # SXM
+    assert peak_for("NVIDIA GH200 480GB", "bf16", True) != 835.0
     assert peak_for("Tesla V100-SXM2-16GB", "off", True) == 15.7  # no TF32 units
     assert peak_for("NVIDIA GeForce RTX 4090", "bf16", True) is None
+
+
+def test_flight_recorder_dumps_are_named_as_fr_trace_reads_them(tmp_path):
+    """Fake dumps (no NCCL here) under our names, beside the stacks a hang leaves in the same folder:
+    torch's fr_trace loader infers the prefix and reads each rank from the name, as `python -m
+    torch.distributed.flight_recorder.fr_trace run_dir/hang` does."""
+    import argparse
+    import pickle
+
+    from torch.distributed.flight_recorder.components import loader
+    from ddp_kit.watchdog import flight_recorder_path
+
+    for r in (0, 1, 10):
+        flight_recorder_path(tmp_path, r).write_bytes(pickle.dumps({"entries": [], "version": "2.4", "pg_config": {}}))
+        for other in (f"rank{r}.txt", f"rank{r}.crash.txt", f"rank{r}.progress"):
+            (tmp_path / other).write_text("")
+    details, version = loader.read_dir(argparse.Namespace(trace_dir=str(tmp_path), prefix=None))
+    assert sorted(d["rank"] for d in details.values()) == [0, 1, 10] and version == "2.4"
+    assert loader.read_dump("nccl_trace_rank_", str(flight_recorder_path(tmp_path, 1)))["rank"] == 1  # --prefix
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event (no GPU here): a recording is a tick of a clock, and an event
+    recorded again before its span was read would lose that span."""
+    made, clock = [], [0]
+
+    def __init__(self, enable_timing=False):
+        self.t, self.unread = None, False
+        _FakeEvent.made.append(self)
+
+    def record(self):
+        _FakeEvent.clock[0] += 1
+        self.t = _FakeEvent.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000.0  # ms: one tick is a second
+
+
+def test_gpu_spans_reuse_their_events_after_the_first_window(monkeypatch):
+    """The CUDA events behind the GPU spans come back from a pool once read: 3 windows make as many
+    events as the first; the spans are measured as before (forward from "forward start" when DDP's
+    pre-forward reopens it; comm and other record nothing)."""
+    from ddp_kit.metrics import GpuSpans
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.made.clear()
+    timer = StepTimer(gpu=GpuSpans())
+    made = []
+    for _ in range(3):
+        for _ in range(4):
+            for part, gpu in (("data", None), ("comm", "forward start"), ("forward", None), ("backward", None),
+                              ("optimizer", None), ("other", None)):
+                timer.mark(part, gpu)
+            timer.steps += 1
+        w = timer.window()
+        assert w["gpu_forward_s"] == 1.0 and w["gpu_optimizer_s"] == 1.0  # one tick per span, per step
+        made.append(len(_FakeEvent.made))
+    assert made[0] == made[1] == made[2] <= 4 * 4 + 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_spans_make_no_new_cuda_events_after_the_first_window(monkeypatch):
+    from ddp_kit.metrics import GpuSpans
+
+    made, real = [], torch.cuda.Event
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+
+    monkeypatch.setattr(torch.cuda, "Event", Counted)
+    timer, x, counts = StepTimer(gpu=GpuSpans()), torch.randn(512, 512, device="cuda"), []
+    for _ in range(3):
+        for _ in range(5):
+            timer.mark("data")
+            (x @ x).sum()
+            timer.mark("forward")
+            timer.mark("backward")
+            (x @ x).sum()
+            timer.mark("optimizer")
+            timer.steps += 1
+        torch.cuda.synchronize()
+        w = timer.window()
+        assert w["gpu_forward_s"] > 0 and w["gpu_optimizer_s"] > 0
+        counts.append(len(made))
+    assert counts[0] == counts[1] == counts[2]

@@ -162,10 +162,13 @@ def test_sigterm_during_a_checkpoint_stops_right_after_it(tmp_path):
 
 @pytest.mark.slow
 def test_compile_step_counts_as_startup_not_as_a_hang(tmp_path):
-    """torch.compile's first step takes longer than this hang timeout; it must not be reported as a hang."""
+    """torch.compile's first step takes longer than this hang timeout; it must not be reported as a hang
+    (no hang report, the job ends well). Where each rank is may be said once as a warning (step 1 is
+    taking long), which is what a real deadlock in step 1 needs."""
     res = ok(train(tmp_path, "--compile", "true", "--hang_timeout_s", "2", "--max_steps", "6", "--epochs", "1",
                    nproc=2, timeout=300))
-    assert "hang" not in res.stderr.lower(), res.stderr[-2000:]
+    assert "ddp_kit: hang:" not in res.stderr and "hang/rank" not in res.stderr, res.stderr[-2000:]
+    assert all("step 1 is taking long" in ln for ln in res.stderr.splitlines() if "hang" in ln.lower()), res.stderr[-2000:]
 
 
 @pytest.mark.slow

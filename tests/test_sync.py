@@ -103,9 +103,20 @@ def test_g_a_hang_in_step_1_is_reported_at_the_hang_timeout_and_ends_at_the_star
     res = torchrun(["-m", "ddp_kit.train", "--epochs", "1", "--progress", "false", "--hang_timeout_s", "5",
                     "--init_timeout_s", "30", "--run_dir", str(tmp_path), "--inject", "hang:rank=1:step=1"], timeout=120)
     assert_failed_everywhere(res)
-    early = [ln for ln in res.stderr.splitlines() if "before step 1 finished" in ln]
+    early = [ln for ln in res.stderr.splitlines() if "step 1 is taking long" in ln]
     assert len(early) == 1 and "startup bound (30s" in early[0], res.stderr[-3000:]
     assert 5 <= int(early[0].split("no progress for ")[1].split("s")[0]) < 15, early  # at the hang timeout, once
     after = res.stderr[res.stderr.index(early[0]):]
     assert "rank 1 (" in after and "at faults.py" in after  # where each rank is, the stalled one included
     assert after.index("rank 1 (") < after.index("ddp_kit: hang: no progress for ")  # said first, ended later
+
+
+@pytest.mark.slow
+def test_h_a_single_rank_job_under_torchrun_that_hangs_is_reported_and_ends(tmp_path):
+    """World size 1 under a launcher: the watchdog runs too (a store in the process), so a stuck
+    single-GPU job leaves its stacks (and NCCL's flight recorder) and frees its allocation."""
+    res = torchrun(["-m", "ddp_kit.train", "--epochs", "1", "--progress", "false", "--hang_timeout_s", "4",
+                    "--run_dir", str(tmp_path), "--inject", "hang:rank=0:step=3"], nproc=1, timeout=120)
+    assert "exitcode  : 3" in res.stderr, res.stderr[-3000:]
+    assert "ddp_kit: hang: no progress for" in res.stderr and "The job's only rank is stuck." in res.stderr
+    assert (tmp_path / "hang" / "rank0.txt").is_file()

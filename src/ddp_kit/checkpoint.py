@@ -88,6 +88,7 @@ class Checkpointer:
         self._buffers: Any = None  # the previous async snapshot (its CPU buffers are reused)
         self._hosts: dict[str, HostBuffer | None] = {}  # per file kind: the flat page-locked buffer
         self._group: Any = None  # DCP's own gloo group: an async save's collectives never meet training's
+        self._stager: Any = None  # DCP's stager kept across async saves (False: this torch has none that reuses)
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -156,7 +157,11 @@ class Checkpointer:
 
         group = self._dcp_group()
         options = dict(storage_writer=dcp.FileSystemWriter(tmp / "dcp"), process_group=group, no_dist=group is None)
-        return dcp.save(sharded, **options) if now else dcp.async_save(sharded, **options)
+        if now:
+            return dcp.save(sharded, **options)
+        if self._stager is None:
+            self._stager = reusable_stager(self.ctx.device) or False
+        return dcp.async_save(sharded, **options, **({"async_stager": self._stager} if self._stager else {}))
 
     def _open_tmp(self, step: int) -> Path:
         """Rank 0 makes an empty .tmp_step_<N>/ (a killed save's leftovers go); the others wait for it."""
@@ -188,6 +193,22 @@ class Checkpointer:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def close(self) -> None:
+        """At the run's end: wait for a pending save (re-raising its error), then let go of the host
+        copies kept for the next save, the page-locked ones unregistered now rather than whenever the
+        garbage collector gets to them. A later save makes new ones."""
+        try:
+            self.wait()
+        finally:
+            for host in self._hosts.values():
+                if host is not None:
+                    host.release()
+            self._hosts.clear()
+            self._buffers = None
+            if self._stager:
+                self._stager.close()
+            self._stager = None
 
     def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any = None) -> None:
         try:
@@ -335,7 +356,11 @@ def _dcp_files(tmp: Path, rank: int, metadata: Any, world: int) -> dict[str, dic
     mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
     out = {f"dcp/{f.name}": _file_digest(f) for f in mine}
     if rank == 0:
-        out["dcp/.expected"] = sorted({f"dcp/{info.relative_path}" for info in metadata.storage_data.values()})
+        # torch 2.11's writer fills storage_data on a copy: the Metadata dcp.save returns has None; the
+        # file it wrote has the list (read through the allow-list, as any .metadata)
+        storage = metadata.storage_data if metadata.storage_data is not None else \
+            safe_load.read_dcp_metadata(folder).storage_data
+        out["dcp/.expected"] = sorted({f"dcp/{info.relative_path}" for info in storage.values()})
     return out
 
 
@@ -359,9 +384,54 @@ def _disk_full(exc: BaseException | None) -> bool:
 
 
 def nonfinite_tensors(state: dict) -> list[str]:
-    """Names of the floating tensors in `state` holding NaN or inf."""
-    return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
-            and not bool(torch.isfinite(v).all())]
+    """Names of the floating tensors in `state` holding NaN or inf. One flag per tensor, computed on
+    its device and stacked, then read once per device (on a GPU one host sync, not one per tensor)."""
+    named: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+            named.setdefault(v.device, []).append((k, v))
+    bad = []
+    for items in named.values():
+        finite = torch.stack([torch.isfinite(v).all() for _, v in items]).tolist()
+        bad += [k for (k, _), ok in zip(items, finite) if not ok]
+    return bad
+
+
+def reusable_stager(device: torch.device) -> Any:
+    """A DCP stager to keep across async saves: it copies each tensor into the host copy it made at
+    the first save (page-locked on a GPU, so the copies queue with one wait for all), where DCP's
+    default makes fresh pageable memory every time. None where the installed torch's stager does not
+    keep its copies from one save to the next (torch 2.11's clears them after each; older ones lack
+    it): DCP then stages as before. Close it after the last save."""
+    try:
+        import inspect
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+            return None
+        if not _stager_reuses(DefaultStager, StagingOptions):
+            return None
+        gpu = device.type == "cuda"
+        return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                                            use_non_blocking_copy=gpu))
+    except (ImportError, TypeError, ValueError):  # a torch without it, or with other options
+        return None
+
+
+def _stager_reuses(stager_type, options_type) -> bool:
+    """Whether a stager's second copy of the same tensor lands where its first did (probed on the CPU;
+    a stager that fails the probe is not used)."""
+    try:
+        probe, t = stager_type(options_type(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                            use_non_blocking_copy=False)), torch.zeros(4)
+        try:
+            first = probe.stage({"t": t})["t"]
+            return probe.stage({"t": t})["t"].data_ptr() == first.data_ptr()
+        finally:
+            probe.close()
+    except Exception:
+        return False
 
 
 def _nbytes(obj: Any) -> int:

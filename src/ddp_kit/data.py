@@ -28,6 +28,18 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               default_collate)
 
 from .errors import UserError
+from .resources import AutoWorkers
+
+
+def fit_workers(dataset: Dataset, num_workers: int, batches: int) -> int:
+    """The loader workers to start: a count the user set, as set; one ddp_kit chose (AutoWorkers) is
+    lowered to 0 for an in-memory TensorDataset (indexing a tensor costs less than handing a batch
+    over from another process) and to the batches one epoch has (a worker more never gets one)."""
+    if not isinstance(num_workers, AutoWorkers):
+        return num_workers
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        return 0
+    return max(0, min(int(num_workers), batches))
 
 
 def per_rank_batch(global_batch: int, world_size: int, grad_accum: int = 1) -> int:
@@ -193,6 +205,7 @@ class TrainLoader:
                  pin_memory: bool = False, collate_fn=None, worker_init_fn: Callable[[int], None] | None = None,
                  resident: torch.device | None = None):
         size = check_sized(dataset)
+        num_workers = fit_workers(dataset, num_workers, size // global_batch * grad_accum)
         self._tensors: list[torch.Tensor] | None = None
         if resident is not None:
             if not isinstance(dataset, torch.utils.data.TensorDataset) or num_workers or collate_fn not in (None, default_collate):
@@ -370,6 +383,8 @@ def eval_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int
     length = check_sized(dataset)
     sampling = ({"batch_sampler": EvenBatches(length, world_size, rank, batch_size)} if even_batches else
                 {"batch_size": batch_size, "sampler": EvalSampler(length, world_size, rank)})
+    batches = len(sampling["batch_sampler"]) if even_batches else -(-len(sampling["sampler"]) // batch_size)
+    num_workers = fit_workers(dataset, num_workers, batches)
     return DataLoader(dataset, **sampling, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
                       worker_init_fn=worker_init(worker_init_fn),
                       persistent_workers=num_workers > 0)  # evaluated every epoch: no new workers each time

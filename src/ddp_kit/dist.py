@@ -20,11 +20,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as tdist
+from torch.torch_version import TorchVersion
 
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError
 from .failfast import LINGER_S, FailFast, post, store_prefix
 from .resources import apply_cpu_settings
+from .watchdog import FR_PREFIX
 
 
 @dataclass(frozen=True)
@@ -250,18 +252,31 @@ def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:
     os._exit(EXIT_USER_ERROR)
 
 
-def nccl_defaults(dump_dir: str | None) -> None:
-    """The flight recorder on by default (a user's own setting wins). TORCH_NCCL_ASYNC_ERROR_HANDLING
-    keeps torch's own default (3: tear down without aborting the communicator, since an abort can
-    itself hang); the hang watchdog writes the trace to run_dir/hang itself (watchdog.py).
+def nccl_defaults(dump_dir: str | None, environ=None, torch_version=None) -> dict[str, str]:
+    """The flight recorder on by default (a user's own setting wins); returns what was set.
+    TORCH_NCCL_ASYNC_ERROR_HANDLING keeps torch's own default (3: tear down without aborting the
+    communicator, since an abort can itself hang); the hang watchdog writes the trace to run_dir/hang
+    itself (watchdog.py), named as NCCL's own dump on timeout names it there.
+
+    From torch 2.11 on the recorder keeps 2000 entries unless told otherwise, and reads its settings
+    as TORCH_FR_*: the old TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE still work
+    but print a deprecation warning on every rank, so there only the dump folder is set, under its
+    new name. An older torch gets the old names, which it reads (and a buffer, which it may lack).
 
     These are read by the NCCL process group of this process when it is created, so they are set
     in our own environment just before init; nothing else here writes the environment."""
-    defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    if dump_dir:  # the folder is made after run_dir is checked (a read-only run_dir is one line, not a traceback)
-        defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "nccl_trace_rank_")
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+    environ = os.environ if environ is None else environ
+    fr_names = TorchVersion(torch.__version__ if torch_version is None else torch_version) >= "2.11.0a0"
+    defaults = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if not fr_names and "TORCH_FR_BUFFER_SIZE" not in environ:
+        defaults["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    temp_file = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    # the folder is made after run_dir is checked (a read-only run_dir is one line, not a traceback)
+    if dump_dir and not any(k in environ for k in temp_file):
+        defaults[temp_file[0] if fr_names else temp_file[1]] = os.path.join(os.path.abspath(dump_dir), FR_PREFIX)
+    out = {k: v for k, v in defaults.items() if k not in environ}
+    environ.update(out)
+    return out
 
 
 def teardown(abort: bool = False) -> None:
@@ -304,10 +319,12 @@ def barrier(ctx: DistContext) -> None:
 
 
 def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
-    """Sum a few numbers over ranks, in float64 so counts stay exact."""
+    """Sum a few numbers over ranks, in float64 so counts stay exact. At world size 1 the numbers
+    themselves: no tensor (on an NCCL run it would go to the GPU and back, two host syncs)."""
+    if ctx.world_size == 1:
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=ctx.control_device)
-    if ctx.world_size > 1:
-        tdist.all_reduce(t, group=ctx.control_group)
+    tdist.all_reduce(t, group=ctx.control_group)
     return t.tolist()
 
 

@@ -140,7 +140,7 @@ class Guard:
         self._lock: RunLock | None = None
         self._writer: RunWriter | None = None
         self._crash_file = None
-        self.watchdog = Watchdog(ctx.store_client() if policy.hang_timeout_s > 0 and ctx.world_size > 1 else None,
+        self.watchdog = Watchdog(_watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
                                  peer_timeout_s=policy.peer_timeout_s)
 
@@ -161,7 +161,7 @@ class Guard:
     def close(self) -> None:
         try:
             if self._ckpt is not None:
-                self._ckpt.wait()  # never leave with an async save half-written
+                self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
         except Exception:
             if not self.failed:  # after a failure, the failure is what gets reported
                 raise
@@ -645,6 +645,18 @@ class Guard:
         self.timer.mark("other")
         yield
         self.timer.mark("comm")
+
+
+def _watch_store(ctx: DistContext) -> Any:
+    """Where the watchdog publishes: the rendezvous store; at world size 1 under a launcher (torchrun,
+    SLURM) a store in this process, so that a single-rank job that hangs is reported (stacks, NCCL's
+    flight recorder) and ends rather than holding its allocation. A plain `python` run (a debug
+    session, perhaps in a debugger) gets none."""
+    if ctx.world_size > 1:
+        return ctx.store_client()
+    import torch.distributed as tdist
+
+    return tdist.HashStore() if ctx.env.launcher != "single" else None
 
 
 def _hyperparameters(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, dict[str, Any]]:

@@ -39,7 +39,7 @@ class Job:
 
 
 def build(cfg: TrainConfig, run: Run) -> Job:
-    check_amp(cfg.amp, run.device)
+    check_amp(cfg.amp, run.device, is_main=run.is_main)
     torch.manual_seed(cfg.seed + run.rank)  # per-rank stream for augmentation; weights use their own seed
     auto = 0 if cfg.device_data else loader_workers(run.ctx.env, run.device)
     workers = auto if cfg.num_workers < 0 else cfg.num_workers
@@ -54,14 +54,8 @@ def build(cfg: TrainConfig, run: Run) -> Job:
                                       **_strategy_options(cfg))
     test_loader = run.eval_loader(DataLoader(task.test, batch_size=max(train_loader.micro_batch, 256),
                                              num_workers=workers))
-    # Fused on CUDA: one kernel for the whole update, and GradScaler's inf check stays on the device
-    # (with a non-fused optimizer, GradScaler.step reads found_inf on the host: a sync every step).
-    fused = {"fused": True} if run.device.type == "cuda" else {}
-    if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                                    **fused)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()), run.device.type, lr=cfg.lr,
+                                momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     total = cfg.epochs * train_loader.steps_per_epoch
     total = min(total, cfg.max_steps) if cfg.max_steps else total
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(cfg.lr_schedule, total))
@@ -75,6 +69,34 @@ def build(cfg: TrainConfig, run: Run) -> Job:
             job.flops_per_sample = model_flops_per_sample(run.unwrap(model), x0)
         job.peak_tflops = peak_tflops(run.device, cfg.amp, cfg.tf32)
     return job
+
+
+def build_optimizer(name: str, params: list[torch.Tensor], device_type: str, *, lr: float, momentum: float,
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """SGD or AdamW over `params` (plain tensors, or FSDP's DTensors), fused where that works."""
+    options = optimizer_options(name, device_type, sharded=any(_is_dtensor(p) for p in params))
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **options)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **options)
+
+
+def optimizer_options(name: str, device_type: str, sharded: bool) -> dict[str, bool]:
+    """`fused=True` on CUDA: one kernel for the whole update, and GradScaler's inf check stays on the
+    device (a non-fused step reads found_inf on the host: a sync every step). Not for SGD over
+    sharded parameters: DTensor has a sharding rule for aten._fused_adam(w)_ but none for
+    aten._fused_sgd_ (torch 2.11 to 2.14), so FSDP's SGD keeps torch's default, foreach on CUDA
+    (FSDP refuses fp16, so no GradScaler waits on it)."""
+    if device_type != "cuda" or (sharded and name == "sgd"):
+        return {}
+    return {"fused": True}
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed: no DTensors either
+        return False
+    return isinstance(t, DTensor)
 
 
 def _strategy_options(cfg: TrainConfig) -> dict[str, Any]:

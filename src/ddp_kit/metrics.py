@@ -25,6 +25,12 @@ from .dist import DistContext, gather_object
 PARTS = ("data", "forward", "backward", "optimizer", "comm", "other")
 
 
+# Which marks open and close which GPU span. "forward start": the inner module of a DDP model starts,
+# after DDP's buffer broadcast (a wait on the others), so the span reopened there is the forward's own work.
+_OPENS = {"data": "forward", "forward start": "forward", "backward": "optimizer"}
+_CLOSES = {"forward": "forward", "optimizer": "optimizer"}
+
+
 @dataclass
 class GpuSpans:
     """The GPU's own time for forward and for the optimizer, by CUDA events recorded at the step's
@@ -32,25 +38,36 @@ class GpuSpans:
     reduction has drained the GPU anyway. On a GPU the host only queues kernels, so host times look
     alike on every rank and a slow or throttled GPU's lag is booked as waiting; these spans are
     local (backward is left out: it ends waiting for DDP's all-reduce, i.e. for the other ranks).
-    GPU-only."""
+    Events are recorded only at marks that open or close a span, and reused once read (or dropped
+    unread): after the first window no new event is made. GPU-only."""
 
     spans: dict[str, list] = field(default_factory=lambda: {"forward": [], "optimizer": []})
     _open: dict[str, Any] = field(default_factory=dict)
+    _free: list = field(default_factory=list)  # events no span holds: recorded again rather than made anew
+
+    def _record(self) -> Any:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def mark(self, part: str) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        # "forward start": the inner module of a DDP model starts, after DDP's buffer broadcast (a
-        # wait on the others), so the span reopened there is the forward's own work.
-        opens = {"data": "forward", "forward start": "forward", "backward": "optimizer"}
-        closes = {"forward": "forward", "optimizer": "optimizer"}
-        if part in closes and closes[part] in self._open:
-            pairs = self.spans[closes[part]]
+        if part not in _OPENS and part not in _CLOSES:
+            return  # no span starts or ends here
+        event = self._record()
+        span = _CLOSES.get(part)
+        if span in self._open:
+            pairs = self.spans[span]
             if len(pairs) >= 10_000:  # never read (no log events): keep the event count bounded
+                self._free.extend(e for pair in pairs for e in pair)
                 pairs.clear()
-            pairs.append((self._open.pop(closes[part]), event))
-        if part in opens:
-            self._open[opens[part]] = event
+            pairs.append((self._open.pop(span), event))
+        elif part in _OPENS:
+            replaced = self._open.get(_OPENS[part])
+            if replaced is not None:  # reopened before it closed: that start is never read
+                self._free.append(replaced)
+            self._open[_OPENS[part]] = event
+        else:
+            self._free.append(event)  # closes a span that is not open
 
     def window(self, steps: int) -> dict[str, float]:
         out = {}
@@ -58,6 +75,7 @@ class GpuSpans:
             for _, end in pairs:
                 end.synchronize()  # already complete after the log event's reduction: no wait
             out[f"gpu_{name}_s"] = sum(start.elapsed_time(end) for start, end in pairs) / 1e3 / max(steps, 1)
+            self._free.extend(e for pair in pairs for e in pair)
             pairs.clear()
         return out
 
@@ -176,6 +194,9 @@ def model_flops_per_sample(model: torch.nn.Module, sample: torch.Tensor) -> floa
 # whole words, so "L4" is not "L40S" and the H100's PCIe and NVL cards are not its SXM module
 # ("NVIDIA H100 80GB HBM3"). None: an unknown GPU, no MFU.
 PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    # H200 NVL (PCIe card, 600 W): NVIDIA's H200 sheet gives 1,671 bf16 / 835 TF32 TFLOP/s with
+    # sparsity and 60 fp32; dense is half the sparse figure. Before the bare "H200" (SXM).
+    (("H200", "NVL"), {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0}),
     (("H200",), {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
     (("H100", "PCIe"), {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
     (("H100", "NVL"), {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0}),

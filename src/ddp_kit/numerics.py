@@ -29,11 +29,12 @@ class NonFiniteLoss:
 
     def check(self, ctx: DistContext, ckpt=None) -> None:
         """Collective: raise the same UserError on every rank if any rank saw a non-finite loss."""
-        mine = _NONE if self.first is None else int(self.first.item())
-        first = torch.tensor([mine], dtype=torch.int64, device=ctx.control_device)
-        if ctx.world_size > 1:
+        mine = _NONE if self.first is None else int(self.first.item())  # the one read of the device scalar
+        step = mine
+        if ctx.world_size > 1:  # alone, nothing to agree on: no control tensor (on NCCL, a GPU round trip)
+            first = torch.tensor([mine], dtype=torch.int64, device=ctx.control_device)
             tdist.all_reduce(first, op=tdist.ReduceOp.MIN, group=ctx.control_group)
-        step = int(first.item())
+            step = int(first.item())
         if step == _NONE:
             return
         # The ranks that saw it first: after the all-reduce every rank's weights are NaN one step later.

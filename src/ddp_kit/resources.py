@@ -51,14 +51,19 @@ def threads_per_rank(env: DistEnv, environ: Mapping[str, str], cpus_visible: int
     return max(1, cpus // local), f"{cpus} {source} / {local} rank(s) on this node"
 
 
-def loader_workers(env: DistEnv, device: torch.device, cpus_visible: int | None = None) -> int:
+class AutoWorkers(int):
+    """A worker count ddp_kit chose, not the user: its loaders lower it to what the dataset needs
+    (data.fit_workers). A plain int on a DataLoader is the user's and is kept as it is."""
+
+
+def loader_workers(env: DistEnv, device: torch.device, cpus_visible: int | None = None) -> AutoWorkers:
     """DataLoader workers per rank when none are asked for: 0 on CPU (the rank's own threads do the
     work, and workers would compete with them), on CUDA the rank's share of the node's CPUs, less one
-    for the rank itself, at most 8."""
+    for the rank itself, at most 8; ddp_kit's loaders take fewer where the data needs fewer."""
     if device.type != "cuda":
-        return 0
+        return AutoWorkers(0)
     cpus = env.cpus_on_node or (cpus_visible if cpus_visible is not None else _cpus_visible())
-    return max(0, min(8, cpus // max(1, env.local_world_size) - 1))
+    return AutoWorkers(max(0, min(8, cpus // max(1, env.local_world_size) - 1)))
 
 
 def _cpus_visible() -> int:

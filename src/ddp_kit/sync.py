@@ -208,7 +208,7 @@ class _RefuseTorchCollectives(TorchDispatchMode):
 def _refuse_c10d(self, func, types, args=(), kwargs=None):
     if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
         raise refusal(f"torch's own collective {func.name()} (started by DDP, FSDP or a DTensor)", self.rank,
-                      fsdp="all_gather" in func.name())
+                      fsdp="all_gather" in func.name() or "allgather" in func.name())
     return func(*args, **(kwargs or {}))
 
 

@@ -32,6 +32,10 @@ from .progress import PHASES, SLOW_PHASES, Progress
 
 EXIT_HANG = 3
 _ABORT = "ddp_kit/abort"
+# NCCL's flight recorder dumps are named <prefix><rank>, torch's own naming (its dump on timeout
+# writes there too, see dist.nccl_defaults), which fr_trace parses: it infers the prefix from names
+# ending in the rank, and reads the rank as int(name[len(prefix):]).
+FR_PREFIX = "nccl_trace_rank_"
 
 _LIBRARY_DIRS = (str(Path(__file__).resolve().parent), str(Path(traceback.__file__).resolve().parent))
 
@@ -73,7 +77,7 @@ class Watchdog:
         self.store = store
 
     def start(self) -> "Watchdog":
-        if self.store is not None and self.world_size > 1 and self.hang_timeout_s > 0:
+        if self.store is not None and self.hang_timeout_s > 0:
             self._thread.start()
         return self
 
@@ -122,7 +126,7 @@ class Watchdog:
         elif not p.warm and stalled_for > self.hang_timeout_s and self._early_said != p.since:
             self._early_said = p.since  # once per stall
             self._early_report(stalled_for)
-        if self.peer_timeout_s and p.warm:  # before step 1 is over, startup's own timeout applies
+        if self.peer_timeout_s and p.warm and self.world_size > 1:  # before step 1 is over, startup's own timeout applies
             self._watch_peer()
 
     def _watch_peer(self) -> None:
@@ -157,7 +161,7 @@ class Watchdog:
                     f"no progress for {time.monotonic() - p.since:.1f}s\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        dump_flight_recorder(self.dump_dir / f"nccl_trace_rank{self.rank}.pkl")
+        dump_flight_recorder(flight_recorder_path(self.dump_dir, self.rank))
         return path
 
     def _on_hang(self, stalled_for: float) -> None:
@@ -191,10 +195,14 @@ class Watchdog:
         if self.rank != 0:
             return
         time.sleep(max(2.0, self.poll_s * 1.5))  # let every rank publish its latest position
-        report = hang_report(self._positions(), stalled_for, self.dump_dir).splitlines()
-        head = (f"ddp_kit: warning: no progress for {stalled_for:.0f}s before step 1 finished "
-                f"({report[0].split('s. ', 1)[-1]}) Step 1 may just be slow (compile, autotuning); if this is a hang, the "
-                f"job stops at the startup bound ({self.slow_timeout_s:.0f}s, the init timeout).")
+        positions = self._positions()
+        behind = lagging(positions) if len(positions) > 1 else []
+        named = f" (lagging: rank {', '.join(map(str, behind))})" if behind else ""
+        report = hang_report(positions, stalled_for, self.dump_dir).splitlines()
+        head = (f"ddp_kit: warning: step 1 is taking long: no progress for {stalled_for:.0f}s before it finished"
+                f"{named}. It may just be slow "
+                f"(torch.compile, autotuning); a real deadlock stops the job at the startup bound "
+                f"({self.slow_timeout_s:.0f}s, the init timeout). Where each rank is:")
         print("\n".join([head, *report[1:-1]]), file=sys.stderr, flush=True)
 
     def _positions(self) -> dict[int, dict]:
@@ -205,10 +213,15 @@ class Watchdog:
         return {r: json.loads(self.store.get(k)) if self.store.check([k]) else None for r, k in enumerate(keys)}
 
 
+def flight_recorder_path(dump_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank`'s flight recorder trace goes: dump_dir/nccl_trace_rank_<R>."""
+    return Path(dump_dir) / f"{FR_PREFIX}{rank}"
+
+
 def dump_flight_recorder(path: Path) -> bool:
     """NCCL's flight recorder (the last collectives each communicator saw, and which one never
     finished), written by us: the hang timeout ends the job before NCCL's own dump-on-timeout would
-    fire at collective_timeout_s. Read it with `python -m torch.distributed.flight_recorder.fr_trace`.
+    fire at collective_timeout_s. Read the folder with `python -m torch.distributed.flight_recorder.fr_trace DIR`.
     Nothing to write without an NCCL group."""
     try:
         import torch.distributed as tdist
@@ -244,7 +257,8 @@ def lagging(positions: dict[int, dict | None]) -> list[int]:
 def hang_report(positions: dict[int, dict | None], stalled_for: float, dump_dir: Path) -> str:
     behind = lagging(positions)
     lines = [f"ddp_kit: hang: no progress for {stalled_for:.0f}s. "
-             + (f"Lagging: rank {', '.join(map(str, behind))}." if behind
+             + ("The job's only rank is stuck." if len(positions) == 1
+                else f"Lagging: rank {', '.join(map(str, behind))}." if behind
                 else "Every rank is at the same place: a collective that never completes (network, NCCL) or the same hang on all ranks.")]
     for r, p in sorted(positions.items()):
         if p is None:

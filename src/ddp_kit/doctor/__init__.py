@@ -32,10 +32,27 @@ def oom_report(device, micro_batch: int, global_batch: int, grad_accum: int, amp
         peak, total = torch.cuda.max_memory_allocated(device) / gib, torch.cuda.get_device_properties(device).total_memory / gib
     except Exception:  # noqa: BLE001
         alloc = reserved = peak = total = float("nan")
+    fraction = None
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):  # not in every torch that ddp_kit runs on
+        try:
+            fraction = torch.cuda.get_per_process_memory_fraction(device)
+        except Exception:  # noqa: BLE001  (the report must never hide the OOM)
+            pass
+    return describe_oom(str(device), alloc, reserved, peak, total, fraction, micro_batch, global_batch, grad_accum, amp)
+
+
+def describe_oom(device: str, alloc: float, reserved: float, peak: float, total: float, fraction: float | None,
+                 micro_batch: int, global_batch: int, grad_accum: int, amp: str) -> list[str]:
+    """oom_report's lines from its figures (GiB). `fraction`: torch.cuda.set_per_process_memory_fraction's
+    cap, None where this torch cannot tell (then the total is named the card's, a cap unknown)."""
+    if fraction is not None and fraction < 1.0:
+        limit = f"this process's cap of {total * fraction:.2f} GiB (memory fraction {fraction:g} of the card's {total:.2f} GiB)"
+    else:
+        limit = f"the card's {total:.2f} GiB"
     advice = [f"--grad_accum {grad_accum * 2} (same global batch {global_batch}, half the per-rank micro-batch)"]
     if amp == "off":
         advice.append("--amp bf16 (or fp16 before Ampere)")
     advice.append(f"a smaller --batch_size than {global_batch}")
     return [f"out of GPU memory on {device}: allocated {alloc:.2f} GiB, reserved {reserved:.2f} GiB, peak {peak:.2f} GiB "
-            f"of {total:.2f} GiB; per-rank micro-batch {micro_batch}",
+            f"of {limit}; per-rank micro-batch {micro_batch}",
             "try: " + "; or ".join(advice)]

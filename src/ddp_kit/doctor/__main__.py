@@ -4,8 +4,11 @@ Exit code: 0 all ok, 1 warnings, 2 failures.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from typing import Iterator
 
 import fire
 
@@ -41,11 +44,12 @@ def main(json_out: bool = False, comm: bool = False, memory: bool = False, amp: 
         print(f"ddp_kit: error: unknown doctor option(s) {', '.join('--' + k for k in kwargs)} "
               f"(hint: use --json, --comm, --memory, --amp bf16, --run_dir DIR)", file=sys.stderr)
         sys.exit(2)
-    facts = gather(run_dir)
-    findings = diagnose(facts, amp)
-    active: dict = {}
-    if comm or memory:
-        active = _active(comm, memory, comm_max_mb)
+    with _stdout_to_stderr() if json_out else contextlib.nullcontext():
+        facts = gather(run_dir)
+        findings = diagnose(facts, amp)
+        active: dict = {}
+        if comm or memory:
+            active = _active(comm, memory, comm_max_mb)
     rank = facts["layout"].get("rank", 0) or 0
     if rank == 0:
         if json_out:
@@ -61,6 +65,31 @@ def main(json_out: bool = False, comm: bool = False, memory: bool = False, amp: 
                     print(f"  {'':<6} {'':<22} fix: {f.fix}")
             _print_active(active)
     sys.exit(exit_code(findings + active.get("findings", [])))
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """With --json, stdout carries the JSON alone: what the checks print meanwhile (the process
+    group's startup line, NCCL_DEBUG's output from C) goes to stderr, at the level of the fd."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        _flush_c_stdio()  # what C buffered meanwhile belongs to stderr too
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C runtime to ask (not POSIX): nothing buffered there either
+        pass
 
 
 def _active(comm: bool, memory: bool, comm_max_mb: float | None) -> dict:
