@@ -61,3 +61,16 @@ def read_json(path: Path) -> dict:
 def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
     return res
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-process gloo group on an in-memory store (no port, no launcher; DCP and FSDP need a
+    group), destroyed after the test."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        tdist.destroy_process_group()

@@ -198,18 +198,6 @@ def _alone():
     return DistContext(DistEnv(), torch.device("cpu"), "gloo")
 
 
-@pytest.fixture
-def one_rank_group():
-    """A 1-process gloo group on an in-memory store (DCP needs one), destroyed after the test."""
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        tdist.destroy_process_group()
-
-
 def test_nonfinite_check_before_a_save_reads_once_however_many_tensors(monkeypatch):
     """Every read of a tensor's value by the host (on a GPU, a sync) is counted: one for the whole
     state, also when it names the bad tensors."""

@@ -54,18 +54,6 @@ def test_deterministic_run_trains_the_same_weights(tmp_path):
     assert shas[0] == shas[1]
 
 
-@pytest.fixture
-def one_rank_group():
-    """A 1-process gloo group on an in-memory store (no port, no launcher), destroyed after the test."""
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        tdist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_the_jobs_optimizer_steps_over_fsdp_shards_as_on_cuda(one_rank_group, name):
     """The optimizer the job builds for a CUDA run, over FSDP's DTensors: they are CPU DTensors here
