@@ -47,7 +47,7 @@ class TrainConfig:
     seed: int = _f(0, "Seed for the model init, the data order and the RNGs. Same seed and global batch give the same recipe on any world size.")
     run_dir: str = _f("runs/default", "Where rank 0 writes config.yaml, metrics.jsonl, summary.json (and checkpoints).")
     amp: str = _f("off", "Mixed precision: off, bf16 (autocast), fp16 (autocast + GradScaler, CUDA only).", ("off", "bf16", "fp16"))
-    num_workers: int = _f(-1, "DataLoader worker processes per rank (-1: 0 on CPU; on CUDA this rank's share of the node's CPUs less one, at most 8).")
+    num_workers: int = _f(-1, "DataLoader worker processes per rank (-1: 0 on CPU; on CUDA this rank's share of the node's CPUs less one, at most 8; none for in-memory data, never more than one epoch's batches).")
     log_every: int = _f(50, "Optimizer steps between log lines and metrics.jsonl records.")
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
