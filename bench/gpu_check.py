@@ -292,7 +292,8 @@ def part_oom_report() -> dict:
 def part_hang() -> dict:
     with tempfile.TemporaryDirectory() as d:
         res = _sub([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "ddp_kit.train",
-                    "--epochs", "1", "--progress", "false", "--device", "cuda", "--hang_timeout_s", "5",
+                    # world 1: a stall gets the startup bound (init_timeout_s), not hang_timeout_s
+                    "--epochs", "1", "--progress", "false", "--device", "cuda", "--init_timeout_s", "10",
                     "--run_dir", d, "--inject", "hang:rank=0:step=3"], 60)
         hang = Path(d, "hang")
         traces = sorted(p.name for p in hang.glob("nccl_trace_rank_*")) if hang.is_dir() else []

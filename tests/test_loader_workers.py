@@ -48,7 +48,17 @@ def _alive(pid):
     return "State:\tZ" not in status
 
 
-def test_worker_ignores_stop_signals_except_from_its_rank():
+@pytest.mark.parametrize("parallel_before", [False, True])
+def test_worker_ignores_stop_signals_except_from_its_rank(parallel_before):
+    """parallel_before: the rank computed on 2 intra-op threads before the fork, as a training rank
+    has, so the worker starts a thread of torch's before worker_init_fn runs (it once took the
+    signal there, and torch's handler ended the worker)."""
+    if parallel_before:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        x = torch.randn(512, 512)
+        (x @ x).sum()
+        torch.set_num_threads(threads)
     loader = TrainLoader(TensorDataset(torch.arange(40)), global_batch=8, world_size=1, rank=0, num_workers=1)
     it = iter(loader)
     next(it)

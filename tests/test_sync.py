@@ -114,9 +114,12 @@ def test_g_a_hang_in_step_1_is_reported_at_the_hang_timeout_and_ends_at_the_star
 @pytest.mark.slow
 def test_h_a_single_rank_job_under_torchrun_that_hangs_is_reported_and_ends(tmp_path):
     """World size 1 under a launcher: the watchdog runs too (a store in the process), so a stuck
-    single-GPU job leaves its stacks (and NCCL's flight recorder) and frees its allocation."""
+    single-GPU job leaves its stacks (and NCCL's flight recorder) and frees its allocation, at the
+    startup bound (init_timeout_s), not the hang timeout."""
+    # A single rank's stall is its own work (no peer waits for it): it gets the startup bound.
     res = torchrun(["-m", "ddp_kit.train", "--epochs", "1", "--progress", "false", "--hang_timeout_s", "4",
-                    "--run_dir", str(tmp_path), "--inject", "hang:rank=0:step=3"], nproc=1, timeout=120)
+                    "--init_timeout_s", "8", "--run_dir", str(tmp_path), "--inject", "hang:rank=0:step=3"],
+                   nproc=1, timeout=120)
     assert "exitcode  : 3" in res.stderr, res.stderr[-3000:]
     assert "ddp_kit: hang: no progress for" in res.stderr and "The job's only rank is stuck." in res.stderr
     assert (tmp_path / "hang" / "rank0.txt").is_file()

@@ -448,6 +448,20 @@ class _EvalLoader:
         return getattr(self._loader, name)
 
 
+def _as_json(config: dict | None) -> dict | None:
+    """The config as a checkpoint's meta.json will hold it (tuples as lists, keys as strings), so that
+    a resume compares like with like; refused in one line when it does not fit in JSON."""
+    if config is None:
+        return None
+    import json
+
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"ddp_kit.init(config=...) must be JSON-able (numbers, strings, lists, dicts): {exc}",
+                        "pass plain values, e.g. str(path) for a path") from None
+
+
 def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
     known = {f.name for f in dataclasses.fields(Policy)} - {"run_dir"}
     unknown = sorted(set(options) - known)
@@ -509,7 +523,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
         raise
     kernel_settings(ctx.device, tf32=tf32, cudnn_benchmark=cudnn_benchmark, deterministic=deterministic)
     guard = Guard(ctx, policy, progress, flag)
-    guard.config = config
+    guard.config = _as_json(config)
     box.append(guard)
     stack.callback(guard.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that

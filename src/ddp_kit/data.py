@@ -150,6 +150,24 @@ def leave_stop_signals_to_parent() -> None:
     threading.Thread(target=wait, name="ddp_kit-worker-signals", daemon=True).start()
 
 
+class _WorkerLoader(DataLoader):
+    """A DataLoader whose workers are forked with the stop signals blocked. A worker that inherits
+    torch's intra-op pool (the rank computed on more than one thread before the fork) starts a
+    thread before worker_init_fn runs; forked unblocked, that thread would take a stop signal
+    meant for someone else and torch's handler would end the worker. Blocked in the forking thread,
+    every thread of the worker starts blocked; a signal that reaches the rank meanwhile is held
+    pending for the few milliseconds of the fork, not lost."""
+
+    def _get_iterator(self):
+        if self.num_workers == 0 or not hasattr(signal, "pthread_sigmask"):
+            return super()._get_iterator()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _init_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
     leave_stop_signals_to_parent()
     if user_init is not None:
@@ -231,7 +249,7 @@ class TrainLoader:
         # reseeds it. The generator keeps DataLoader from drawing the workers' base seed from
         # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
         batches = _SeededBatches(self.sampler, self.micro_batch, tag=num_workers > 0)
-        self._loader = DataLoader(dataset, batch_sampler=batches,
+        self._loader = _WorkerLoader(dataset, batch_sampler=batches,
                                   num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
                                   persistent_workers=num_workers > 0, worker_init_fn=worker_init(worker_init_fn),
                                   generator=torch.Generator().manual_seed(_mix(seed, rank)))
@@ -385,6 +403,6 @@ def eval_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int
                 {"batch_size": batch_size, "sampler": EvalSampler(length, world_size, rank)})
     batches = len(sampling["batch_sampler"]) if even_batches else -(-len(sampling["sampler"]) // batch_size)
     num_workers = fit_workers(dataset, num_workers, batches)
-    return DataLoader(dataset, **sampling, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
+    return _WorkerLoader(dataset, **sampling, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
                       worker_init_fn=worker_init(worker_init_fn),
                       persistent_workers=num_workers > 0)  # evaluated every epoch: no new workers each time

@@ -331,7 +331,8 @@ class Guard:
             if check is None and self.config is not None:  # a script's own config: the reference job's rules
                 check = lambda m: refuse_changed(m.get("config") or {}, self.config, m["path"],  # noqa: E731
                                                  "use a new run_dir, or resume='never' to start over in this one")
-            scripted = _hyperparameters(self._named(torch.optim.Optimizer))
+            scheduled = any(_is_scheduler(o) for o in self.state.objects.values())
+            scripted = _hyperparameters(self._named(torch.optim.Optimizer), scheduled)
             # Before any state is loaded: the caller may refuse this checkpoint, or say what changed.
             said = check({**meta, "path": str(found.path)}) if check is not None else None
             written = meta.get("strategy", "ddp")
@@ -358,7 +359,7 @@ class Guard:
             else:
                 torch.manual_seed(1_000_003 * self.done + self.ctx.rank)
             extra = [said] if said else []
-            restored = _hyperparameters(self._named(torch.optim.Optimizer))
+            restored = _hyperparameters(self._named(torch.optim.Optimizer), scheduled)
             extra += [f"{name} {key} {mine} in the script, {theirs} restored"
                       for name, keys in scripted.items() for key, mine in keys.items()
                       if (theirs := restored.get(name, {}).get(key, mine)) != mine]
@@ -469,12 +470,18 @@ class Guard:
         owned = {id(p) for m in self.models for p in m.parameters()}
         for name, opt in self._named(torch.optim.Optimizer).items():
             params = [p for g in opt.param_groups for p in g["params"]]
-            if params and not any(id(p) in owned for p in params):
-                sharded = " (run.prepare(..., strategy='fsdp') replaces them with sharded ones)" if self.strategy == "fsdp" else ""
-                raise UserError(f"optimizer {name!r} holds none of the prepared model's parameters{sharded}: it would "
-                                f"train nothing, and its checkpoint would fail",
+            if not params or any(id(p) in owned for p in params):
+                continue
+            if self.strategy == "fsdp":
+                raise UserError(f"optimizer {name!r} holds none of the prepared model's parameters (run.prepare(..., "
+                                f"strategy='fsdp') replaces them with sharded ones): it would train nothing, and its "
+                                f"checkpoint would fail",
                                 "create the optimizer after run.prepare, from the model it returned: "
-                                "optimizer = AdamW(model.parameters())")
+                                "optimizer = AdamW(model.parameters())", verdict=True)
+            # Under DDP the parameters stay the same tensors: an optimizer over another module's (a
+            # learnable loss head) is legitimate, but it is worth a word once.
+            self.say(f"ddp_kit: warning: optimizer {name!r} holds none of the prepared models' parameters; if it "
+                     f"should train the model, create it from the model run.prepare returned")
 
     def _first_step_over(self) -> None:
         if not self.resumed:  # run.resume checked them already
@@ -631,7 +638,8 @@ class Guard:
             self.log()  # the last steps since the last record: the picture and the summary end where the run did
         if self.state and self.rd is not None and not (self.stopped or self.failed):
             self.save()
-        if self.rd is not None and not self._summary_written:
+        # Rank 0's word: a script may write its summary on rank 0 only, and the default one is collective.
+        if self.rd is not None and not broadcast_object(self.ctx, self._summary_written if self.ctx.is_main else None):
             self.write_summary(self._default_summary())
 
     def heartbeat(self, phase: str) -> None:
@@ -659,16 +667,24 @@ def _watch_store(ctx: DistContext) -> Any:
     return tdist.HashStore() if ctx.env.launcher != "single" else None
 
 
-def _hyperparameters(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, dict[str, Any]]:
+# What LR schedulers move as they go (OneCycleLR and CyclicLR move momentum or betas too): with one
+# registered, only the base rate a scheduler wrote ("initial_lr") stands for the script's choice.
+_SCHEDULED = frozenset({"lr", "momentum", "betas", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum"})
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def _hyperparameters(optimizers: dict[str, torch.optim.Optimizer], scheduled: bool) -> dict[str, dict[str, Any]]:
     """{optimizer name: {"lr": 0.01, "group 1 weight_decay": 0.0, ...}}: the plain numbers of each
-    param group. A scheduler moves "lr" as it goes, so where it wrote "initial_lr" (the base rate the
-    script chose) that is compared instead of "lr"."""
+    param group, less those a registered scheduler moves (see _SCHEDULED)."""
     out: dict[str, dict[str, Any]] = {}
     for name, opt in optimizers.items():
         keys: dict[str, Any] = {}
         for i, group in enumerate(opt.param_groups):
             for key, value in group.items():
-                if key == "params" or (key == "lr" and "initial_lr" in group):
+                if key == "params" or (scheduled and key in _SCHEDULED) or (key == "lr" and "initial_lr" in group):
                     continue
                 if isinstance(value, (bool, int, float, str)) or (
                         isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):

@@ -56,6 +56,7 @@ def refuse_changed(saved: Mapping[str, Any], current: Mapping[str, Any], path: s
     for the "resumed from" line that names the allowed changes applied (None when nothing changed)."""
     refused, applied = recipe_changes(saved, current)
     if refused:
+        # every rank compares the same checkpoint's config: one verdict, printed once
         raise UserError(f"cannot resume from {path}: the recipe changed since it was saved ({describe_changes(refused)})",
-                        hint)
+                        hint, verdict=True)
     return f"changed since that checkpoint and applied: {describe_changes(applied)}" if applied else None

@@ -36,7 +36,7 @@ class ForgedCheckpoint(Exception):
     """A file in a checkpoint folder holds a pickle that names something outside the allow-list."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can be watched (BUILD)
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
@@ -49,16 +49,39 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return obj
         raise ForgedCheckpoint(f"DCP metadata names {module}.{name}, which is not checkpoint metadata")
 
+    def _build(self) -> None:
+        # BUILD sets attributes of the object below it: on an instance that is data, on a class it
+        # would rewrite the class for the whole process (pathlib.Path.__truediv__ = ...).
+        if isinstance(self.stack[-2], type):
+            raise ForgedCheckpoint("DCP metadata sets attributes of a class, which metadata never does")
+        pickle._Unpickler.load_build(self)
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = _build
+
 
 def read_dcp_metadata(folder: str | Path) -> Any:
-    """DCP's Metadata of `folder` (a dcp/ folder), unpickled with the allow-list."""
-    with open(Path(folder) / ".metadata", "rb") as fh:
+    """DCP's Metadata of `folder` (a dcp/ folder), unpickled with the allow-list; every storage item
+    must name a file of the folder itself and lie inside it (a forged one could name /dev/zero)."""
+    folder = Path(folder)
+    with open(folder / ".metadata", "rb") as fh:
         try:
-            return _MetadataUnpickler(fh).load()
+            meta = _MetadataUnpickler(fh).load()
         except ForgedCheckpoint:
             raise
         except Exception as exc:  # truncated, not a pickle at all
             raise ForgedCheckpoint(f"DCP metadata is unreadable ({type(exc).__name__}: {exc})") from None
+    sizes: dict[str, int] = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            raise ForgedCheckpoint(f"DCP metadata names the file {name!r}, which is not one of the folder's shards")
+        if name not in sizes:
+            sizes[name] = (folder / name).stat().st_size if (folder / name).is_file() else -1
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
+                and info.length >= 0 and info.offset + info.length <= sizes[name]):
+            raise ForgedCheckpoint(f"DCP metadata points outside {name} (offset {info.offset}, length {info.length})")
+    return meta
 
 
 def check_bytes(data: bytes, what: str) -> None:
@@ -134,7 +157,7 @@ def check_folder(path: Path) -> str | None:
                 check_bytes(fh.read(info.length), f"dcp item {index.fqn!r}")
     except ForgedCheckpoint as exc:
         return f"dcp/ is not plain checkpoint data ({exc})"
-    except (OSError, AttributeError, KeyError, TypeError) as exc:
+    except (OSError, AttributeError, KeyError, TypeError, MemoryError) as exc:
         return f"dcp/ is unreadable ({type(exc).__name__}: {exc})"
     return None
 

@@ -178,11 +178,11 @@ class CollectiveInMainOnly(RuntimeError):
     pass
 
 
-_inside = threading.local()  # .active: this thread is in a main_only block (rank 0's own code)
+_inside = threading.local()  # .depth: main_only blocks this thread is in (rank 0's own code)
 
 
 def in_main_only() -> bool:
-    return bool(getattr(_inside, "active", False))
+    return getattr(_inside, "depth", 0) > 0
 
 
 
@@ -227,37 +227,77 @@ def main_only(ctx: DistContext) -> Iterator[bool]:
     is not rank-0-only code): calls through a `torch.distributed.<name>` collective, and every c10d
     operator dispatched, which covers the collectives DDP, FSDP and DTensors start by themselves.
     A DDP-wrapped model's forward runs on its own module here: DDP would first broadcast rank 0's
-    buffers to ranks that are not there.
+    buffers to ranks that are not there. Every aten operator in the block passes through Python
+    (the dispatch mode), and torch.compile does not compile under it: keep the block's work small
+    (a long evaluation belongs on every rank, with run.eval_loader).
     """
     if not ctx.is_main or ctx.world_size == 1:
         yield ctx.is_main
         return
-    owner = threading.get_ident()
-    saved = {name: getattr(tdist, name) for name in _COLLECTIVES if hasattr(tdist, name)}
-
-    def refuse(name, fn):
-        def _raise(*args, **kwargs):
-            if threading.get_ident() != owner:
-                return fn(*args, **kwargs)
-            raise refusal(f"torch.distributed.{name} called", ctx.rank, fsdp=name in _FSDP_COLLECTIVES)
-        return _raise
-
-    ddp_forward = DDP.forward
-
-    def local_forward(self, *inputs, **kwargs):
-        if threading.get_ident() != owner:
-            return ddp_forward(self, *inputs, **kwargs)
-        return self.module(*inputs, **kwargs)
-
-    for name, fn in saved.items():
-        setattr(tdist, name, refuse(name, fn))
-    DDP.forward = local_forward
-    _inside.active = True
+    _patches.enter()
+    _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         with _RefuseTorchCollectives(ctx.rank):
             yield True
     finally:
-        _inside.active = False
-        DDP.forward = ddp_forward
-        for name, fn in saved.items():
-            setattr(tdist, name, fn)
+        _inside.depth -= 1
+        _patches.leave()
+
+
+class _Patches:
+    """torch.distributed's collectives and DDP.forward, replaced while any main_only block is open
+    (counted: blocks on two threads, or nested, restore in any order). The replacements ask
+    in_main_only(), which is per thread: another thread, or a reference to one kept after the
+    block, goes to the original."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open = 0
+        self._saved: dict[str, Any] = {}
+        self._ddp_forward: Any = None
+
+    def enter(self) -> None:
+        with self._lock:
+            self._open += 1
+            if self._open > 1:
+                return
+            self._saved = {name: getattr(tdist, name) for name in _COLLECTIVES if hasattr(tdist, name)}
+            for name, fn in self._saved.items():
+                setattr(tdist, name, _refusing(name, fn))
+            self._ddp_forward = DDP.forward
+            DDP.forward = _local_forward(self._ddp_forward)
+
+    def leave(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open:
+                return
+            DDP.forward = self._ddp_forward
+            for name, fn in self._saved.items():
+                setattr(tdist, name, fn)
+
+
+_patches = _Patches()
+
+
+def _refusing(name: str, fn: Any) -> Any:
+    def collective(*args, **kwargs):
+        if not in_main_only():
+            return fn(*args, **kwargs)
+        raise refusal(f"torch.distributed.{name} called", tdist.get_rank() if tdist.is_initialized() else 0,
+                      fsdp=name in _FSDP_COLLECTIVES)
+    return collective
+
+
+def _local_forward(ddp_forward: Any) -> Any:
+    def forward(self, *inputs, **kwargs):
+        if not in_main_only():
+            return ddp_forward(self, *inputs, **kwargs)
+        if self.device_ids:  # what DDP's forward does first: the inputs go to the module's device
+            from torch.distributed.utils import _to_kwargs
+
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device_type, self.device_ids[0]),
+                                             self.use_side_stream_for_tensor_copies)
+            inputs, kwargs = moved[0], moved_kwargs[0]
+        return self.module(*inputs, **kwargs)
+    return forward

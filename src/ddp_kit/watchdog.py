@@ -120,10 +120,13 @@ class Watchdog:
             self.aborting.set()
             self._dump()
             os._exit(EXIT_HANG)
-        limit = self.slow_timeout_s if (p.phase in SLOW_PHASES or not p.warm) else self.hang_timeout_s
+        # A single rank has no peers waiting for it: what stalls is its own work (a long sampling loop
+        # between steps, say), so it gets the startup bound everywhere, as slow phases do.
+        slow = p.phase in SLOW_PHASES or not p.warm or self.world_size == 1
+        limit = self.slow_timeout_s if slow else self.hang_timeout_s
         if stalled_for > limit:
             self._on_hang(stalled_for)
-        elif not p.warm and stalled_for > self.hang_timeout_s and self._early_said != p.since:
+        elif not p.warm and self.world_size > 1 and stalled_for > self.hang_timeout_s and self._early_said != p.since:
             self._early_said = p.since  # once per stall
             self._early_report(stalled_for)
         if self.peer_timeout_s and p.warm and self.world_size > 1:  # before step 1 is over, startup's own timeout applies
@@ -199,7 +202,8 @@ class Watchdog:
         behind = lagging(positions) if len(positions) > 1 else []
         named = f" (lagging: rank {', '.join(map(str, behind))})" if behind else ""
         report = hang_report(positions, stalled_for, self.dump_dir).splitlines()
-        head = (f"ddp_kit: warning: step 1 is taking long: no progress for {stalled_for:.0f}s before it finished"
+        head = (f"ddp_kit: warning: step 1 is taking long: no progress for {stalled_for:.0f}s in "
+                f"{self.progress.phase} before it finished"
                 f"{named}. It may just be slow "
                 f"(torch.compile, autotuning); a real deadlock stops the job at the startup bound "
                 f"({self.slow_timeout_s:.0f}s, the init timeout). Where each rank is:")

@@ -120,7 +120,11 @@ def sync_ddp_buffers(model: nn.Module) -> None:
     ddp = unwrap_ddp(model)
     if ddp is None or not getattr(ddp, "broadcast_buffers", False) or not getattr(ddp, "modules_buffers", None):
         return
-    with torch.no_grad():
+    if hasattr(ddp, "_assign_modules_buffers"):
+        ddp._assign_modules_buffers()  # as DDP's own sync does first: a module may have reassigned a buffer
+    # As DDP's own sync: an in-place copy into a buffer a saved graph holds is not a modification to it.
+    keep = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    with torch.no_grad(), (keep(tuple(ddp.modules_buffers)) if keep else nullcontext()):
         buffers = [b.detach() for b in ddp.modules_buffers]
         # one coalesced broadcast per call, as DDP's own buffer sync; a bucket of 256 MiB
         tdist._broadcast_coalesced(ddp.process_group, buffers, 256 * 2**20, 0)
