@@ -51,7 +51,7 @@ from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summariz
 from .numerics import NonFiniteLoss
 from .outputs import RunWriter
 from .preempt import PreemptFlag, agree_stop, exit_code, requeue
-from .recipe import refuse_changed
+from .recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 from .rundir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 from .state import TrainState
 from .fsdp import load_state_dicts, memory_bytes, state_dicts
@@ -331,8 +331,8 @@ class Guard:
             if check is None and self.config is not None:  # a script's own config: the reference job's rules
                 check = lambda m: refuse_changed(m.get("config") or {}, self.config, m["path"],  # noqa: E731
                                                  "use a new run_dir, or resume='never' to start over in this one")
-            scheduled = any(_is_scheduler(o) for o in self.state.objects.values())
-            scripted = _hyperparameters(self._named(torch.optim.Optimizer), scheduled)
+            scheduled = any(is_scheduler(o) for o in self.state.objects.values())
+            scripted = hyperparameters(self._named(torch.optim.Optimizer), scheduled)
             # Before any state is loaded: the caller may refuse this checkpoint, or say what changed.
             said = check({**meta, "path": str(found.path)}) if check is not None else None
             written = meta.get("strategy", "ddp")
@@ -359,10 +359,7 @@ class Guard:
             else:
                 torch.manual_seed(1_000_003 * self.done + self.ctx.rank)
             extra = [said] if said else []
-            restored = _hyperparameters(self._named(torch.optim.Optimizer), scheduled)
-            extra += [f"{name} {key} {mine} in the script, {theirs} restored"
-                      for name, keys in scripted.items() for key, mine in keys.items()
-                      if (theirs := restored.get(name, {}).get(key, mine)) != mine]
+            extra += overridden(scripted, hyperparameters(self._named(torch.optim.Optimizer), scheduled))
             if meta.get("world_size") != self.ctx.world_size:
                 extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {self.ctx.world_size}: "
                              f"data order continues, per-rank RNG streams are reseeded")
@@ -665,32 +662,6 @@ def _watch_store(ctx: DistContext) -> Any:
     import torch.distributed as tdist
 
     return tdist.HashStore() if ctx.env.launcher != "single" else None
-
-
-# What LR schedulers move as they go (OneCycleLR and CyclicLR move momentum or betas too): with one
-# registered, only the base rate a scheduler wrote ("initial_lr") stands for the script's choice.
-_SCHEDULED = frozenset({"lr", "momentum", "betas", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum"})
-
-
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
-
-
-def _hyperparameters(optimizers: dict[str, torch.optim.Optimizer], scheduled: bool) -> dict[str, dict[str, Any]]:
-    """{optimizer name: {"lr": 0.01, "group 1 weight_decay": 0.0, ...}}: the plain numbers of each
-    param group, less those a registered scheduler moves (see _SCHEDULED)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, opt in optimizers.items():
-        keys: dict[str, Any] = {}
-        for i, group in enumerate(opt.param_groups):
-            for key, value in group.items():
-                if key == "params" or (scheduled and key in _SCHEDULED) or (key == "lr" and "initial_lr" in group):
-                    continue
-                if isinstance(value, (bool, int, float, str)) or (
-                        isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
-                    keys[(f"group {i} " if i else "") + ("lr" if key == "initial_lr" else key)] = value
-        out[name] = keys
-    return out
 
 
 def config_hash(config: dict[str, Any]) -> str:

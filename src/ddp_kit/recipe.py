@@ -2,7 +2,8 @@
 applied to any config dict (the job's, or the one a script passes to `ddp_kit.init(config=...)`).
 
 Plain data and functions: the library compares a checkpoint's config with this run's through
-`refuse_changed`, without reading the job's config system."""
+`refuse_changed`, without reading the job's config system; without a config, the optimizer settings
+a checkpoint overrides are named (`hyperparameters`, `overridden`)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -60,3 +61,39 @@ def refuse_changed(saved: Mapping[str, Any], current: Mapping[str, Any], path: s
         raise UserError(f"cannot resume from {path}: the recipe changed since it was saved ({describe_changes(refused)})",
                         hint, verdict=True)
     return f"changed since that checkpoint and applied: {describe_changes(applied)}" if applied else None
+
+
+# What LR schedulers move as they go (OneCycleLR and CyclicLR move momentum or betas too): with one
+# registered, only the base rate a scheduler wrote ("initial_lr") stands for the script's choice.
+_SCHEDULED = frozenset({"lr", "momentum", "betas", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum"})
+
+
+def is_scheduler(obj: Any) -> bool:
+    import torch  # here only: the rest of this module is plain data
+
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def hyperparameters(optimizers: Mapping[str, Any], scheduled: bool) -> dict[str, dict[str, Any]]:
+    """{optimizer name: {"lr": 0.01, "group 1 weight_decay": 0.0, ...}}: the plain numbers of each
+    param group, less those a registered scheduler moves (see _SCHEDULED)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, opt in optimizers.items():
+        keys: dict[str, Any] = {}
+        for i, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key == "params" or (scheduled and key in _SCHEDULED) or (key == "lr" and "initial_lr" in group):
+                    continue
+                if isinstance(value, (bool, int, float, str)) or (
+                        isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
+                    keys[(f"group {i} " if i else "") + ("lr" if key == "initial_lr" else key)] = value
+        out[name] = keys
+    return out
+
+
+def overridden(scripted: Mapping[str, dict], restored: Mapping[str, dict]) -> list[str]:
+    """The resume line's notes: each optimizer setting the checkpoint replaced ("optimizer lr 0.003 in
+    the script, 0.01 restored"); `scripted` and `restored` are hyperparameters() before and after loading."""
+    return [f"{name} {key} {mine} in the script, {theirs} restored"
+            for name, keys in scripted.items() for key, mine in keys.items()
+            if (theirs := restored.get(name, {}).get(key, mine)) != mine]
