@@ -19,7 +19,7 @@ from pathlib import Path
 import fire
 import torch
 
-from ddp_kit.checkpoint import Checkpointer
+from ddp_kit.checkpoint.checkpointer import Checkpointer
 from ddp_kit.dist import distributed
 from ddp_kit.env import DistEnv
 

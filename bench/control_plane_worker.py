@@ -113,7 +113,7 @@ def _count_store(name, fn):
 
 
 def install() -> None:
-    from ddp_kit.checkpoint import Checkpointer  # a commit is store traffic only: count the calls here
+    from ddp_kit.checkpoint.checkpointer import Checkpointer  # a commit is store traffic only: count the calls here
 
     commit = Checkpointer._commit_files
 

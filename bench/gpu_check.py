@@ -116,7 +116,7 @@ def _timed(step, loader, steps: int, warmup: int) -> tuple[float, float]:
 def _raw(steps: int, warmup: int, batch: int) -> tuple[float, float]:
     import torch
 
-    from ddp_kit.wrap import kernel_settings
+    from ddp_kit.parallel.wrap import kernel_settings
     dev = torch.device("cuda")
     kernel_settings(dev)  # the TF32 / cudnn.benchmark switches ddp_kit.init sets: like against like
     model = _resnet().to(dev)
@@ -178,9 +178,9 @@ def part_doctor() -> dict:
 def part_checkpoint() -> dict:
     import torch
 
-    from ddp_kit.checkpoint import Checkpointer
+    from ddp_kit.checkpoint.checkpointer import Checkpointer
     from ddp_kit.dist import distributed
-    from ddp_kit.staging import tensors_in
+    from ddp_kit.checkpoint.staging import tensors_in
     dev = torch.device("cuda")
     model = _resnet().to(dev)
     opt = torch.optim.AdamW(model.parameters(), fused=True)

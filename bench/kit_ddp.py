@@ -10,7 +10,7 @@ import time
 import fire
 
 from ddp_kit import loop
-from ddp_kit.config import resolve
+from ddp_kit.train.config import resolve
 from ddp_kit.train import run
 
 

@@ -203,7 +203,7 @@ def markdown(res: dict) -> list[str]:
               "faults per step (trimming every step);",
               f"with only MALLOC_TRIM_THRESHOLD_, {one['MALLOC_TRIM_THRESHOLD_']['faults_per_step']:,.0f} "
               "(each 3 MiB tensor mmapped and unmapped); one launch of 120 steps each.", "",
-              "**The earlier anomaly.** The sync check converts every parameter to float64 (`ddp_kit.sync.checksums`), a",
+              "**The earlier anomaly.** The sync check converts every parameter to float64 (`ddp_kit.reliability.sync_checks.checksums`), a",
               "6 MiB temporary for the big weight. Freeing it raises glibc's thresholds to about 6 and 12 MiB, after",
               f"which fewer steps trim: {f['kit_chk10_off']} faults per step with a check every 10 steps, {f['kit_off']} with one every 100",
               f"(the first check is at step 100), {f['kit_chk0_off']} with none. That is why, with glibc's defaults, runs with periodic",

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_kit.datasets import build_dataset
 from ddp_kit.models import build_model
-from ddp_kit.sync import param_sha256
+from ddp_kit.reliability.sync_checks import param_sha256
 
 
 def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, seed: int = 0, size: int = 4096):

@@ -11,9 +11,9 @@ from ddp_kit.api import Run
 from ddp_kit.dist import DistContext
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
-from ddp_kit.guard import Guard, Policy
-from ddp_kit.preempt import PreemptFlag
-from ddp_kit.progress import Progress
+from ddp_kit.reliability.boundary import Guard, Policy
+from ddp_kit.reliability.preemption import PreemptFlag
+from ddp_kit.reliability.progress import Progress
 
 DS = TensorDataset(torch.arange(40))
 

@@ -202,7 +202,7 @@ def test_nonfinite_check_before_a_save_reads_once_however_many_tensors(monkeypat
     """Every read of a tensor's value by the host (on a GPU, a sync) is counted: one for the whole
     state, also when it names the bad tensors."""
     import torch
-    from ddp_kit.checkpoint import nonfinite_tensors
+    from ddp_kit.checkpoint.checkpointer import nonfinite_tensors
 
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -228,7 +228,7 @@ class _FakeHostBuffer:
 
 def test_close_frees_the_host_buffers_an_async_save_keeps(tmp_path):
     import torch
-    from ddp_kit.checkpoint import Checkpointer
+    from ddp_kit.checkpoint.checkpointer import Checkpointer
 
     ck = Checkpointer(_alone(), tmp_path, async_save=True)
     hosts = {kind: _FakeHostBuffer() for kind in ("model", "state", "rank")}
@@ -263,7 +263,7 @@ def test_stager_probe_keeps_todays_path_where_copies_are_not_kept():
     """torch 2.11's DefaultStager drops its copies after each save: reusing it would copy into fresh
     memory (page-locked anew on a GPU) every time, so DCP's own staging stays."""
     import torch
-    from ddp_kit.checkpoint import _stager_reuses
+    from ddp_kit.checkpoint.checkpointer import _stager_reuses
 
     class Forgetful:  # as torch 2.11's: a fresh copy at every stage()
         def __init__(self, options):
@@ -299,7 +299,7 @@ def _staged_pointers(monkeypatch):
 
 
 def _sharded_saves(tmp_path, ctx, w):
-    from ddp_kit.checkpoint import Checkpointer, Found
+    from ddp_kit.checkpoint.checkpointer import Checkpointer, Found
 
     ck = Checkpointer(ctx, tmp_path, async_save=True)
     for step in (1, 2):
@@ -316,7 +316,7 @@ def _sharded_saves(tmp_path, ctx, w):
 
 def test_async_sharded_saves_copy_into_one_kept_stager(tmp_path, one_rank_group, monkeypatch):
     import torch
-    from ddp_kit.checkpoint import reusable_stager
+    from ddp_kit.checkpoint.checkpointer import reusable_stager
 
     if reusable_stager(torch.device("cpu")) is None:
         pytest.skip(f"torch {torch.__version__}'s stager keeps no copies: DCP stages as before")
@@ -330,7 +330,7 @@ def test_async_sharded_saves_copy_into_one_kept_stager(tmp_path, one_rank_group,
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_async_sharded_saves_stage_into_kept_page_locked_copies_on_gpu(tmp_path, one_rank_group, monkeypatch):
     import torch
-    from ddp_kit.checkpoint import reusable_stager
+    from ddp_kit.checkpoint.checkpointer import reusable_stager
     from ddp_kit.dist import DistContext
     from ddp_kit.env import DistEnv
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, read_json, run_cmd, torchrun
-from ddp_kit.config import TrainConfig, resolve
+from ddp_kit.train.config import TrainConfig, resolve
 from ddp_kit.errors import UserError
 
 
@@ -218,7 +218,7 @@ def test_help_lists_every_config_key(flag, tmp_path):
 # ---- resuming with a changed recipe ----------------------------------------------------------------
 
 def test_recipe_changes_split_refused_and_allowed():
-    from ddp_kit.config import recipe_changes
+    from ddp_kit.train.config import recipe_changes
 
     saved = resolve(None, {"inject": "kill:rank=0:step=3"}).to_dict()
     current = resolve(None, {"lr": 0.01, "optimizer": "sgd", "epochs": 30, "log_every": 7, "resume": "never"}).to_dict()
@@ -229,7 +229,7 @@ def test_recipe_changes_split_refused_and_allowed():
 
 
 def test_recipe_changes_ignores_keys_one_side_lacks():
-    from ddp_kit.config import recipe_changes
+    from ddp_kit.train.config import recipe_changes
 
     saved = {k: v for k, v in resolve(None, {}).to_dict().items() if k != "momentum"}
     saved["removed_key"] = 1
@@ -237,7 +237,7 @@ def test_recipe_changes_ignores_keys_one_side_lacks():
 
 
 def test_resumable_keys_are_config_keys():
-    from ddp_kit.config import FIELDS, NOT_RECIPE, RESUMABLE
+    from ddp_kit.train.config import FIELDS, NOT_RECIPE, RESUMABLE
 
     assert RESUMABLE <= set(FIELDS) and NOT_RECIPE <= RESUMABLE
     assert not {"lr", "optimizer", "batch_size", "seed", "model", "dataset", "amp", "lr_schedule"} & RESUMABLE

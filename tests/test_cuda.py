@@ -66,7 +66,7 @@ def test_steady_state_steps_make_no_host_sync(tmp_path):
 
 
 def test_checkpoints_written_on_gpu_load_without_one(tmp_path):
-    from ddp_kit.checkpoint import Checkpointer
+    from ddp_kit.checkpoint.checkpointer import Checkpointer
     from ddp_kit.dist import distributed
     model = torch.nn.Linear(8, 4).cuda()
     with distributed(device="cuda") as ctx:
@@ -84,7 +84,7 @@ def test_checkpoints_written_on_gpu_load_without_one(tmp_path):
 
 
 def test_gpu_spans_see_a_slowed_gpu():
-    from ddp_kit.metrics import GpuSpans, StepTimer
+    from ddp_kit.reliability.metrics import GpuSpans, StepTimer
     times = {}
     for cycles in (0, 50_000_000):
         timer = StepTimer(gpu=GpuSpans())

@@ -97,7 +97,7 @@ def test_dcp_metadata_of_a_real_save_reads_through_the_allow_list(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
-    from ddp_kit.safe_load import check_folder, read_dcp_metadata, reader
+    from ddp_kit.checkpoint.safe_load import check_folder, read_dcp_metadata, reader
 
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -125,7 +125,7 @@ def test_a_forged_dcp_byte_item_is_refused_before_it_is_unpickled(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ddp_kit.safe_load import check_folder, read_dcp_metadata, reader
+    from ddp_kit.checkpoint.safe_load import check_folder, read_dcp_metadata, reader
 
     marker = tmp_path / "pwned"
     (tmp_path / "dcp").mkdir()

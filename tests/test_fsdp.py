@@ -168,7 +168,7 @@ def test_export_of_a_sharded_checkpoint_loads_into_a_plain_model(tmp_path, runs)
     out = tmp_path / "model.pt"
     ok(run_cmd([sys.executable, "-m", "ddp_kit.checkpoint", "export", str(runs / "fsdp4"), "--out", str(out)]))
     from ddp_kit.models import REGISTRY
-    from ddp_kit.sync import param_sha256
+    from ddp_kit.reliability.sync_checks import param_sha256
 
     model = REGISTRY["mlp"]((1, 8, 8), 10)
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, every shape
@@ -218,7 +218,7 @@ def test_what_does_not_combine_with_fsdp_is_one_line(tmp_path, flags, said):
 
 def test_library_refuses_sync_bn_and_ddp_options_with_fsdp():
     from ddp_kit.errors import UserError
-    from ddp_kit.fsdp import check_strategy
+    from ddp_kit.parallel.fsdp import check_strategy
 
     with pytest.raises(UserError, match="sync_bn does not combine with strategy fsdp"):
         check_strategy("fsdp", sync_bn=True)
@@ -232,7 +232,7 @@ def test_library_refuses_sync_bn_and_ddp_options_with_fsdp():
 def test_default_block_policy():
     from torch import nn
 
-    from ddp_kit.fsdp import _chosen, default_blocks
+    from ddp_kit.parallel.fsdp import _chosen, default_blocks
 
     class Tower(nn.Module):
         def __init__(self):
@@ -262,7 +262,7 @@ def test_tied_weights_stay_in_one_unit():
     from torch import nn
 
     from ddp_kit.errors import UserError
-    from ddp_kit.fsdp import _units
+    from ddp_kit.parallel.fsdp import _units
 
     m = SharedHead()
     assert _units(m, None) == [m.mid, m.head]  # embed and out share a weight: both stay in the root

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import ok, read_json, run_cmd
-from ddp_kit.checkpoint import rng_state, set_rng_state
-from ddp_kit.staging import snapshot
+from ddp_kit.checkpoint.checkpointer import rng_state, set_rng_state
+from ddp_kit.checkpoint.staging import snapshot
 from ddp_kit.dist import choose_backend
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
@@ -61,8 +61,8 @@ def test_the_jobs_optimizer_steps_over_fsdp_shards_as_on_cuda(one_rank_group, na
     SGD(fused=True), whose aten._fused_sgd_ has no sharding rule, fails here as it does on CUDA."""
     from torch import nn
 
-    from ddp_kit.fsdp import shard
-    from ddp_kit.job import build_optimizer
+    from ddp_kit.parallel.fsdp import shard
+    from ddp_kit.train.job import build_optimizer
 
     model = shard(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.device("cpu"), 1)
     params = list(model.parameters())
@@ -77,7 +77,7 @@ def test_the_jobs_optimizer_steps_over_fsdp_shards_as_on_cuda(one_rank_group, na
 
 
 def test_fused_only_where_it_works():
-    from ddp_kit.job import optimizer_options
+    from ddp_kit.train.job import optimizer_options
 
     assert optimizer_options("adamw", "cuda", sharded=True) == {"fused": True}  # DTensor has _fused_adamw_
     assert optimizer_options("adamw", "cuda", sharded=False) == {"fused": True}
@@ -88,7 +88,7 @@ def test_fused_only_where_it_works():
 
 @pytest.mark.parametrize("capability,native", [((7, 5), False), ((7, 0), None)])  # None: torch without the keyword
 def test_emulated_bf16_is_a_warning_naming_the_gpu_and_the_fix(capability, native):
-    from ddp_kit.wrap import bf16_warning
+    from ddp_kit.parallel.wrap import bf16_warning
 
     line = bf16_warning("Tesla T4", capability, native, supported=True)
     assert "Tesla T4" in line and f"sm_{capability[0]}{capability[1]}" in line and "emulated" in line
@@ -96,7 +96,7 @@ def test_emulated_bf16_is_a_warning_naming_the_gpu_and_the_fix(capability, nativ
 
 
 def test_native_bf16_says_nothing_and_no_bf16_is_refused():
-    from ddp_kit.wrap import bf16_warning
+    from ddp_kit.parallel.wrap import bf16_warning
 
     assert bf16_warning("NVIDIA H100 80GB HBM3", (9, 0), True, supported=True) is None
     assert bf16_warning("NVIDIA A100-SXM4-40GB", (8, 0), None, supported=True) is None
@@ -108,7 +108,7 @@ def test_native_bf16_says_nothing_and_no_bf16_is_refused():
 @pytest.mark.parametrize("is_main", [True, False])
 def test_check_amp_warns_once_on_the_main_rank(monkeypatch, capsys, is_main):
     """The GPU's facts are the test double (no GPU here): a T4, where torch accepts bf16 by emulation."""
-    import ddp_kit.wrap as wrap
+    import ddp_kit.parallel.wrap as wrap
 
     monkeypatch.setattr(wrap, "_bf16_facts", lambda device: ("Tesla T4", (7, 5), False, True))
     wrap.check_amp("bf16", torch.device("cuda", 0), is_main=is_main)  # not refused

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ok, read_json, run_cmd, torchrun
-from ddp_kit.metrics import StepTimer, StragglerWatch
+from ddp_kit.reliability.metrics import StepTimer, StragglerWatch
 
 
 def _rank(r, local):
@@ -64,7 +64,7 @@ def test_run_without_tensorboard_is_quiet(tmp_path):
 
 
 def test_peak_tflops_by_exact_name_and_dtype():
-    from ddp_kit.metrics import peak_for
+    from ddp_kit.reliability.metrics import peak_for
     assert peak_for("NVIDIA L4", "bf16", True) == 121.0 and peak_for("NVIDIA L40S", "bf16", True) == 362.0
     assert peak_for("NVIDIA H100 80GB HBM3", "bf16", True) == 989.0  # SXM
     assert peak_for("NVIDIA H100 PCIe", "bf16", True) == 756.0
@@ -84,7 +84,7 @@ def test_flight_recorder_dumps_are_named_as_fr_trace_reads_them(tmp_path):
     import pickle
 
     from torch.distributed.flight_recorder.components import loader
-    from ddp_kit.watchdog import flight_recorder_path
+    from ddp_kit.reliability.watchdog import flight_recorder_path
 
     for r in (0, 1, 10):
         flight_recorder_path(tmp_path, r).write_bytes(pickle.dumps({"entries": [], "version": "2.4", "pg_config": {}}))
@@ -119,7 +119,7 @@ def test_gpu_spans_reuse_their_events_after_the_first_window(monkeypatch):
     """The CUDA events behind the GPU spans come back from a pool once read: 3 windows make as many
     events as the first; the spans are measured as before (forward from "forward start" when DDP's
     pre-forward reopens it; comm and other record nothing)."""
-    from ddp_kit.metrics import GpuSpans
+    from ddp_kit.reliability.metrics import GpuSpans
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     _FakeEvent.made.clear()
@@ -140,7 +140,7 @@ def test_gpu_spans_reuse_their_events_after_the_first_window(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_spans_make_no_new_cuda_events_after_the_first_window(monkeypatch):
-    from ddp_kit.metrics import GpuSpans
+    from ddp_kit.reliability.metrics import GpuSpans
 
     made, real = [], torch.cuda.Event
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import ok, since_ranks_met, torchrun
 from ddp_kit.env import poll_period
 from ddp_kit.errors import UserError
-from ddp_kit.metrics import StragglerWatch, summarize_ranks
+from ddp_kit.reliability.metrics import StragglerWatch, summarize_ranks
 
 HANG = 8
 COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "60",

@@ -1,3 +1,3 @@
-from .train import main
+from .train.command import main
 
 main()

@@ -44,13 +44,13 @@ from .data import TrainLoader, check_sized, eval_loader, per_rank_batch
 from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError, report_user_error
-from .fsdp import full_state_dict, is_sharded
-from .guard import Guard, Policy
-from .preempt import PreemptFlag
-from .rundir import RunDir
-from .sync import in_main_only, main_only
-from .progress import Progress
-from .wrap import (ddp_local_forward, kernel_settings, sync_ddp_buffers, sync_gradients, unwrap, unwrap_ddp,
+from .parallel.fsdp import full_state_dict, is_sharded
+from .reliability.boundary import Guard, Policy
+from .reliability.preemption import PreemptFlag
+from .reliability.run_dir import RunDir
+from .reliability.sync_checks import in_main_only, main_only
+from .reliability.progress import Progress
+from .parallel.wrap import (ddp_local_forward, kernel_settings, sync_ddp_buffers, sync_gradients, unwrap, unwrap_ddp,
                    wrap_model)
 
 

@@ -24,9 +24,9 @@ from torch.torch_version import TorchVersion
 
 from .env import DistEnv, detect
 from .errors import EXIT_USER_ERROR, UserError
-from .failfast import LINGER_S, FailFast, post, store_prefix
+from .reliability.failfast import LINGER_S, FailFast, post, store_prefix
 from .resources import apply_cpu_settings
-from .watchdog import FR_PREFIX
+from .reliability.watchdog import FR_PREFIX
 
 
 @dataclass(frozen=True)

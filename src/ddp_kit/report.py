@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import EXIT_USER_ERROR, UserError
-from .rundir import RunDir
+from .reliability.run_dir import RunDir
 
 # Fields of a non-train record that are not metrics: the x axis, the writer's timestamp, and ids.
 NOT_METRICS = {"step", "epoch", "time", "rank", "pid", "id"}

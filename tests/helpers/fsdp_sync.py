@@ -13,9 +13,9 @@ from torch import nn
 
 from ddp_kit.dist import distributed
 from ddp_kit.errors import UserError
-from ddp_kit.fsdp import full_state_dict
-from ddp_kit.sync import check_consistency, optimizer_steps
-from ddp_kit.wrap import sync_gradients, wrap_model
+from ddp_kit.parallel.fsdp import full_state_dict
+from ddp_kit.reliability.sync_checks import check_consistency, optimizer_steps
+from ddp_kit.parallel.wrap import sync_gradients, wrap_model
 
 
 class Net(nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 import fire
 import torch
 
-from ddp_kit.config import resolve
+from ddp_kit.train.config import resolve
 from ddp_kit.env import detect
 from ddp_kit import train as train_mod
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_kit
 from ddp_kit.errors import UserError
-from ddp_kit.sync import CollectiveInMainOnly
+from ddp_kit.reliability.sync_checks import CollectiveInMainOnly
 
 mode = sys.argv[1]
 

@@ -8,7 +8,7 @@ import torch.distributed as tdist
 from torch import nn
 
 import ddp_kit
-from ddp_kit.sync import CollectiveInMainOnly, main_only
+from ddp_kit.reliability.sync_checks import CollectiveInMainOnly, main_only
 
 
 def rank0_only(what, fn):

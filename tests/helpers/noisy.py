@@ -28,7 +28,7 @@ class Noisy(Dataset):
 
 def main(out: Path, total: int, workers: int, stop: str | None) -> None:
     import ddp_kit
-    from ddp_kit.checkpoint import rng_state, set_rng_state
+    from ddp_kit.checkpoint.checkpointer import rng_state, set_rng_state
 
     run = ddp_kit.init()
     torch.manual_seed(100 + run.rank)

@@ -14,10 +14,10 @@ import torch.distributed as tdist
 
 from ddp_kit.dist import all_reduce_sum, all_same, all_true, barrier, broadcast_object, distributed, gather_object
 from ddp_kit.errors import UserError
-from ddp_kit.metrics import StepTimer, gather_ranks
-from ddp_kit.numerics import NonFiniteLoss
-from ddp_kit.preempt import PreemptFlag, agree_stop
-from ddp_kit.sync import check_agreement, check_consistency
+from ddp_kit.reliability.metrics import StepTimer, gather_ranks
+from ddp_kit.reliability.numerics import NonFiniteLoss
+from ddp_kit.reliability.preemption import PreemptFlag, agree_stop
+from ddp_kit.reliability.sync_checks import check_agreement, check_consistency
 
 calls = []
 

@@ -1,0 +1,4 @@
+"""python -m ddp_kit.checkpoint list|export ..."""
+from .cli import main
+
+main()

@@ -1,0 +1,197 @@
+"""`python -m ddp_kit.checkpoint`: list a run's checkpoints with their validity; export model weights.
+
+    python -m ddp_kit.checkpoint list RUN_DIR
+    python -m ddp_kit.checkpoint export RUN_DIR --out model.pt [--step N|latest] [--name model]
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from .layout import list_checkpoints, validate
+from ..errors import EXIT_USER_ERROR, UserError
+from ..reliability.run_dir import RunDir
+
+LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
+
+
+def _run_dir(run_dir: str) -> Path:
+    p = Path(str(run_dir))
+    if not p.exists():  # said plainly: "no checkpoints" would suggest the run lost them
+        raise UserError(f"RUN_DIR {str(p)!r} does not exist", "pass the run_dir of a run that saved checkpoints")
+    if not p.is_dir():
+        raise UserError(f"RUN_DIR {str(p)!r} is not a folder", "pass the run_dir of a run that saved checkpoints")
+    return p
+
+
+def _root(run_dir: str) -> Path:
+    p = _run_dir(run_dir)
+    ckpts = RunDir(p).checkpoints
+    return ckpts if ckpts.is_dir() else p
+
+
+def _out_path(out) -> Path:
+    """Refuse an --out that cannot be written before anything is loaded."""
+    if out is None or isinstance(out, bool):  # fire passes True for a bare `--out`
+        raise UserError("--out needs a file path", "e.g. --out model.pt")
+    p = Path(str(out))
+    folder = p.parent
+    if not folder.exists():
+        raise UserError(f"the folder of --out, {str(folder)!r}, does not exist", f"create it first: mkdir -p {folder}")
+    if not folder.is_dir():
+        raise UserError(f"--out {str(p)!r}: {str(folder)!r} is a file, not a folder", "pass --out inside an existing folder")
+    if p.is_dir():
+        raise UserError(f"--out {str(p)!r} is a folder", f"name a file, e.g. --out {p / 'model.pt'}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write into {str(folder)!r} (permission denied)", "pass --out in a folder you can write to")
+    return p
+
+
+def _step(step) -> int | str | None:
+    if step is None or step == "latest":
+        return step
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    if isinstance(step, float) and step.is_integer():  # fire reads --step 1e3 as 1000.0
+        return int(step)
+    if isinstance(step, str) and step.startswith("step_") and step[5:].isdigit():  # the folder's name, as `list` shows
+        return int(step[5:])
+    raise UserError(f"--step expects a step number, step_N or 'latest'; got {step!r}", f"e.g. --step latest; {LIST_HINT}")
+
+
+def _latest(root: Path) -> Path:
+    """The checkpoint `root/latest` names; the save protocol writes that file last."""
+    f = root / "latest"
+    try:
+        name = f.read_text().strip()
+    except FileNotFoundError:
+        raise UserError(f"--step latest: there is no 'latest' file under {str(root)!r}", f"pass a step number; {LIST_HINT}") from None
+    except OSError as exc:
+        raise UserError(f"--step latest: cannot read {str(f)!r} ({exc.strerror or exc})", f"pass a step number; {LIST_HINT}") from None
+    if not (name.startswith("step_") and name[5:].isdigit()):
+        raise UserError(f"--step latest: {str(f)!r} does not name a checkpoint (it holds {name[:40]!r})",
+                        f"pass a step number; {LIST_HINT}")
+    if not (root / name).is_dir():
+        raise UserError(f"--step latest: {str(f)!r} names {name}, which does not exist", f"pass a step number; {LIST_HINT}")
+    return root / name
+
+
+def list_(run_dir: str) -> None:
+    """Print every checkpoint of RUN_DIR, newest first, with its validity."""
+    root = _root(run_dir)
+    rows = list_checkpoints(root)
+    if not rows:
+        raise UserError(f"no checkpoints under {str(root)!r}", "pass the run_dir of a run that saved some")
+    latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
+    print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  path")
+    for step, path, reason in rows:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        world = json.loads((path / "meta.json").read_text()).get("world_size", "?") if reason is None else "?"
+        mark = " (latest)" if path.name == latest else ""
+        print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world:>5}  {size:>10}  {path}{mark}"
+              + (f"  -- {reason}" if reason else ""))
+
+
+def export(run_dir: str, out: str, step: int | str | None = None, name: str = "model") -> None:
+    """Write the model weights of checkpoint STEP (default: newest valid; latest: the one `latest`
+    names) as a plain state_dict file. A sharded (strategy fsdp) checkpoint is assembled in this
+    process; `name` picks another registered model of it (e.g. model_1)."""
+    root = _run_dir(run_dir)
+    dest = _out_path(out)
+    step = _step(step)
+    import torch
+
+    if (root / "manifest.json").exists() or (root / "model.pt").exists():
+        path = root
+    elif step == "latest":
+        path = _latest(_root(run_dir))
+    else:
+        every = [row for row in list_checkpoints(_root(run_dir)) if step is None or row[0] == step]
+        valid = [p for _, p, reason in every if reason is None]
+        if not valid:
+            why = f" ({every[0][1].name}: {every[0][2]})" if every else ""
+            raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {str(run_dir)!r}{why}",
+                            LIST_HINT)
+        path = valid[0]
+        for _, skipped, reason in every:  # newest first: the damaged ones above the export are said, as resume says them
+            if skipped == path:
+                break
+            print(f"ddp_kit: warning: checkpoint {skipped.name} is not usable ({reason}); exporting {path.name} instead",
+                  file=sys.stderr, flush=True)
+    reason = validate(path)
+    if reason:
+        raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
+    state = _read_object(path, str(name))
+    # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
+    # where an inference job would pick it up.
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write --out {str(dest)!r} ({exc.strerror or exc})",
+                        "pass --out in a folder you can write to, on a disk with free space") from None
+    tensors = sum(1 for v in state.values() if hasattr(v, "shape"))
+    print(f"exported {len(state)} entries ({tensors} tensors) of {name!r} from {path} to {dest}")
+
+
+def _read_object(path: Path, name: str) -> dict:
+    """The saved object `name` of a checkpoint, whole: the model from model.pt, a sharded object
+    (strategy fsdp) assembled from dcp/, anything else (an optimizer under DDP, a scheduler, a
+    second replicated model) from train_state.pt."""
+    import torch
+
+    if name == "model" and (path / "model.pt").exists():
+        return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    sharded = _dcp_names(path)
+    if name in sharded:
+        return _consolidate(path, name)
+    shared = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+    if name in shared:
+        return shared[name]
+    held = sorted(set(sharded) | set(shared) | ({"model"} if (path / "model.pt").exists() else set()))
+    raise UserError(f"checkpoint {str(path)!r} holds no {name!r} (it holds: {', '.join(held)})",
+                    f"pass --name with one of those; {LIST_HINT}")
+
+
+def _dcp_names(path: Path) -> list[str]:
+    if not (path / "dcp").is_dir():
+        return []
+    from .safe_load import read_dcp_metadata
+
+    return sorted({k.split(".", 1)[0] for k in read_dcp_metadata(path / "dcp").state_dict_metadata})
+
+
+def _consolidate(path: Path, name: str = "model") -> dict:
+    """The whole `name` state dict of a sharded (strategy fsdp) checkpoint, read from its dcp/ folder
+    in this one process: no GPU, no process group, any world size that wrote it."""
+    import warnings
+
+    # DCP's own whole-checkpoint reader, restricted to one key: it rebuilds nested entries too
+    # (a module's _extra_state), which a template of plain tensors cannot.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from .safe_load import reader as safe_reader
+
+    reader = safe_reader(path / "dcp")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore")
+        return _load_state_dict_from_keys(keys={name}, storage_reader=reader)[name]
+
+
+def main() -> None:
+    import fire
+
+    try:
+        fire.Fire({"list": list_, "export": export})
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)

@@ -1,0 +1,4 @@
+"""python -m ddp_kit.launch slurm ..."""
+from . import main
+
+main()

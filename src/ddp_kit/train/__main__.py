@@ -1,0 +1,4 @@
+"""python -m ddp_kit.train: the reference job."""
+from .command import main
+
+main()

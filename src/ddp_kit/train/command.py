@@ -1,0 +1,155 @@
+"""The reference training job: `python -m ddp_kit.train [CONFIG.yaml] [--key value ...]`.
+
+A client of the public API, as a user's own script would be: `ddp_kit.init()` gives the process
+group, the run folder and the reliability layer; the job builds its parts (job.py), runs its loop
+(loop.py) and writes its summary. The same command runs as one process or under torchrun/srun;
+nothing here branches on it. Every failure goes through the failure policy (failure.py) when the
+`with` block exits, so this file has no error handling of its own beyond the CLI's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..api import Run, init
+from .config import TrainConfig, help_text, resolve
+from ..reliability.recipe import refuse_changed
+from ..data import per_rank_batch
+from ..doctor import findings_for_error, oom_report
+from ..env import DistEnv, detect
+from ..errors import EXIT_USER_ERROR, UserError, report_user_error
+from ..reliability.failfast import announce
+from .inject import parse as parse_faults
+from ..reliability.boundary import Policy
+from .job import build
+from .loop import train
+from ..reliability.sync_checks import param_sha256
+
+
+def _injected_config(cfg: TrainConfig, rank: int) -> TrainConfig:
+    """Test hooks `config:rank=R` (that rank trains with a different seed, as if it had read another
+    file) and `nodata:rank=R` (that rank's data_root is missing, as on a node without the files)."""
+    faults = [f for f in parse_faults(cfg.inject) if f.rank == rank]
+    if any(f.kind == "config" for f in faults):
+        cfg = dataclasses.replace(cfg, seed=cfg.seed + 1)
+    if any(f.kind == "nodata" for f in faults):
+        cfg = dataclasses.replace(cfg, data_root=f"{cfg.data_root}/.not-on-this-node")
+    return cfg
+
+
+def policy(cfg: TrainConfig) -> dict[str, Any]:
+    """The config keys that are the step boundary's options (guard.Policy), by the same names."""
+    names = {f.name for f in dataclasses.fields(Policy)} - {"run_dir", "ckpt_every_s", "ckpt_write_delay_s"}
+    return {**{n: getattr(cfg, n) for n in names}, "ckpt_every_s": 0.0, "ckpt_write_delay_s": cfg.debug_ckpt_delay_s}
+
+
+def refuse_changed_recipe(cfg: TrainConfig):
+    """A resume must not silently mix recipes: a changed optimizer fails deep inside torch, and a
+    changed lr or batch would be silently overridden by (or mixed with) the restored state."""
+    def check(meta: dict) -> str | None:
+        return refuse_changed(meta.get("config") or {}, cfg.to_dict(), meta["path"],
+                              "use a new --run_dir, or --resume never to start over in this one")
+    return check
+
+
+def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
+    """Run the job described by `cfg` in this process's place in the job; returns the summary.
+    A failure ends the process (SystemExit with the failure policy's code)."""
+    env = detect() if env is None else env
+    per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
+    cfg = _injected_config(cfg, env.rank)
+    with init(cfg.run_dir, backend=cfg.backend, device=cfg.device, timeout_s=cfg.init_timeout_s, seed=cfg.seed,
+              env=env, config=cfg.to_dict(), tf32=cfg.tf32, cudnn_benchmark=cfg.cudnn_benchmark,
+              deterministic=cfg.deterministic, **policy(cfg)) as run:
+        run.explain_cuda_errors(lambda err: cuda_notes(cfg, run, err))
+        return _job(cfg, run)
+
+
+def cuda_notes(cfg: TrainConfig, run: Run, err: BaseException) -> list[str]:
+    """Printed beside a CUDA error: on OOM what this rank held and what to change; the doctor's findings."""
+    micro = per_rank_batch(cfg.batch_size, run.world_size, cfg.grad_accum)
+    oom = isinstance(err, torch.cuda.OutOfMemoryError)
+    return (oom_report(run.device, micro, cfg.batch_size, cfg.grad_accum, cfg.amp) if oom else []) + \
+        findings_for_error(err, cfg.amp)
+
+
+def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
+    job = build(cfg, run)
+    run.print(f"ddp_kit: {cfg.model} on {cfg.dataset}, {run.world_size} rank(s) ({run.ctx.backend}, {run.device}), "
+              f"global batch {cfg.batch_size} = {run.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
+              f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}")
+    start = run.resume(optimizer=job.optimizer, scheduler=job.scheduler, scaler=job.scaler,
+                       check=refuse_changed_recipe(cfg))
+    if start:
+        job.faults = type(job.faults)((), run.rank, armed=False)  # a resumed run is the recovery, not the fault
+    result = train(job)
+    run.save()  # the final checkpoint; returns at once if this step is already saved
+    run.heartbeat("finish")
+    digest = param_sha256(run.unwrap(job.model))
+    # Under FSDP every rank hashes the same gathered weights: equal by construction, so no exchange
+    # and no verdict (null in the summary).
+    sharded = cfg.strategy == "fsdp"
+    differ = [] if sharded else [r for r, d in enumerate(run.gather(digest)) if d != digest]
+    if differ:
+        raise UserError(f"final parameters differ across ranks: ranks {differ} disagree with this one",
+                        "a rank desynchronised; rerun with the sync checks on to find where")
+    summary = {"world_size": run.world_size, "steps": run.steps_done, "epochs": job.train_loader.epoch, **result,
+               "param_sha256": digest, "config_hash": cfg.hash(),
+               "param_sha256_all_ranks_equal": None if sharded else True,
+               "ddp_kit": __version__, "torch": torch.__version__, "backend": run.ctx.backend,
+               "device": str(run.device), "resumed_from_step": int(start) or None, "strategy": cfg.strategy,
+               "model_state_bytes": run.memory}
+    run.write_summary(summary)
+    if run.memory:
+        m = run.memory
+        run.print(f"model state per rank ({cfg.strategy}, rank 0): parameters {m['param_bytes'] / 2**20:.2f} MiB, "
+                  f"gradients {m['grad_bytes'] / 2**20:.2f} MiB, optimizer {m['optim_bytes'] / 2**20:.2f} MiB")
+    acc = f", eval accuracy {summary['eval_accuracy']:.4f}" if "eval_accuracy" in summary else ""
+    run.print(f"done: {summary['steps']} steps{acc}, eval loss {summary['eval_loss']:.4f} on "
+              f"{summary['eval_samples']} samples, {summary['wall_s']:.1f}s, param_sha256 {summary['param_sha256'][:16]}")
+    return summary
+
+
+def cli(config: str | None = None, dry_run: bool = False, help_config: bool = False, preflight_world_size: int = 0,
+        **flags: Any) -> None:
+    """python -m ddp_kit.train [CONFIG.yaml] [--key value ...] [--dry_run] [--help_config]
+
+    --preflight_world_size N (with --dry_run): check the config as if N ranks will run it; the launch
+    scripts use it to refuse a bad config before torchrun starts any worker.
+    """
+    rank, env = 0, None
+    # `--help` is what a user types first; fire hands it to **flags like any other key
+    help_config = help_config or bool(flags.pop("help", False)) or bool(flags.pop("h", False))
+    try:
+        env = detect()
+        rank = env.rank
+        if help_config:
+            if env.is_main:
+                print(f"{cli.__doc__.splitlines()[0]}\n\n{help_text()}")
+            return
+        cfg = resolve(config, flags)
+        if dry_run:
+            world = int(preflight_world_size) or env.world_size
+            micro = per_rank_batch(cfg.batch_size, world, cfg.grad_accum)
+            if env.is_main:
+                import yaml
+
+                print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+                print(f"# world_size {world} ({env.launcher}); per-rank micro-batch {micro}; config hash {cfg.hash()}")
+            return
+        run(cfg, env)
+    except UserError as err:  # before the run exists (config, layout, rendezvous)
+        report_user_error(err, rank)
+        if err.local and env is not None and not getattr(err, "posted", False):
+            announce(env, err)  # the others may be waiting for this rank in the rendezvous
+        sys.exit(EXIT_USER_ERROR)
+
+
+def main() -> None:
+    import fire
+
+    fire.Fire(cli)

@@ -1,0 +1,164 @@
+"""The reference training loop, written against the public API: micro-steps with no_sync
+accumulation, the step boundary (`run.step`), exact evaluation, log lines.
+
+Checkpoints, preemption, sync checks, the NaN guard, the hang watchdog and metrics.jsonl are the
+step boundary's business (guard.py); this loop adds what is particular to the job: the loss
+function's metrics, throughput and MFU in each record, and the console lines.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..api import Run
+from .job import Job
+from .workload import batch_size, split_loss
+from ..parallel.wrap import autocast, to_device
+
+
+def _channels_last(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 else batch
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_channels_last(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _channels_last(v) for k, v in batch.items()}
+    return batch
+
+
+def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss and metrics
+    as tensors. No `.item()` here: on CUDA that would wait for the GPU every step."""
+    cfg, model, run = job.cfg, job.model, job.run
+    total = torch.zeros((), device=run.device)
+    metrics: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(micro_batches):
+        batch = to_device(batch, run.device)
+        if cfg.channels_last:
+            batch = _channels_last(batch)
+        with run.accumulate(model, last=(i == len(micro_batches) - 1)):
+            with autocast(cfg.amp, run.device):
+                loss, parts = split_loss(cfg.loss, job.loss_fn(model, batch))
+                loss = loss / len(micro_batches)
+            if job.faults:
+                loss = loss * job.faults.loss_factor(run.steps_done + 1)
+            job.scaler.scale(loss).backward()
+        total += loss.detach().float()
+        for k, v in parts.items():
+            metrics[k] = metrics.get(k, 0.0) + torch.as_tensor(v).detach().float() / len(micro_batches)
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
+    return total, metrics
+
+
+@torch.no_grad()
+def evaluate(job: Job) -> dict[str, float]:
+    """Loss and the loss function's metrics over the whole test set: each rank sums its exact shard
+    on the device, reads the sums once, and the sums are all-reduced."""
+    run, cfg = job.run, job.cfg
+    module = run.unwrap(job.model)  # the plain module: DDP's forward would sync buffers, and shards are uneven
+    was_training = module.training
+    module.eval()
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    for batch in job.test_loader:  # every batch is a heartbeat: long evals are progress too
+        batch = to_device(batch, run.device)
+        n = batch_size(batch)
+        with autocast(cfg.amp, run.device):
+            loss, parts = split_loss(cfg.loss, job.loss_fn(module, batch))
+        for k, v in {"loss": loss, **parts}.items():
+            sums[k] = sums.get(k, 0.0) + torch.as_tensor(v).detach().double() * n
+        count += n
+    module.train(was_training)
+    # A rank with an empty shard (fewer test samples than ranks) has no names of its own; rank 0
+    # always has the most samples, but the union says it without relying on that.
+    names = sorted(set().union(*run.gather(sorted(sums))))
+    values = (torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=run.device) for k in names]).tolist()
+              if names else [])
+    # ^ one device->host read for all metrics, after the whole shard
+    *totals, count = run.sum(*values, count)
+    return {**{f"eval_{k}": v / max(count, 1) for k, v in zip(names, totals)}, "eval_samples": int(count)}
+
+
+def train(job: Job) -> dict[str, Any]:
+    cfg, run, loader = job.cfg, job.run, job.train_loader
+    bar = _progress(cfg, run, job.total_steps)
+    say = (lambda msg: bar.write(msg)) if bar else run.print
+    start, start_step = time.perf_counter(), run.steps_done
+    window: dict[str, Any] = {}
+    ev: dict[str, float] = {}
+    ev_step = -1
+    logged: dict[str, float] = {}
+    epoch = loader.epoch
+
+    def on_log(record: dict) -> None:  # every rank, at each log event
+        record["epoch"] = epoch  # the epoch this step belongs to (the loader may have rolled over)
+        names = sorted(window)
+        if names:
+            sums = run.sum(*(float(window[k]) / max(window["_n"], 1) for k in names if k != "_n"))
+            record.update({f"train_{k}": v / run.world_size for k, v in zip([k for k in names if k != "_n"], sums)})
+        window.clear()
+        if "samples_per_s" in record:
+            record["eta_s"] = (job.total_steps - record["step"]) * cfg.batch_size / max(record["samples_per_s"], 1e-9)
+            if job.flops_per_sample:
+                record["model_tflops_per_s"] = job.flops_per_sample * record["samples_per_s"] / 1e12
+                if job.peak_tflops:
+                    record["mfu"] = record["model_tflops_per_s"] / (job.peak_tflops * run.world_size)
+        logged.update(record)
+        say(f"step {record['step']}/{job.total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
+            f"lr {record['lr']:.2e} {record.get('samples_per_s', 0):.0f} samples/s"
+            + (f" mfu {record['mfu']:.1%}" if "mfu" in record else ""))
+
+    run.on_log(on_log)
+    while run.steps_done < job.total_steps:
+        micro: list = []
+        epoch = loader.epoch
+        for batch in loader:
+            micro.append(batch)
+            if len(micro) < cfg.grad_accum:
+                continue
+            upcoming = run.steps_done + 1
+            loss, metrics = train_step(job, micro)
+            micro = []
+            for k, v in metrics.items():
+                window[k] = window.get(k, 0.0) + v
+            window["_n"] = window.get("_n", 0) + 1
+            if job.faults:
+                run.heartbeat("after step")  # where a hang or crash of a fault is reported
+                job.faults.at_step(upcoming, run.unwrap(job.model))
+            step = run.step(loss)
+            if bar:
+                bar.update(1)
+            if step % cfg.log_every and step == job.total_steps:
+                run.log()  # the final step is always logged
+            if step >= job.total_steps:
+                break
+        if loader.position == 0 and (cfg.eval_every_epoch or run.steps_done >= job.total_steps):
+            ev, ev_step = evaluate(job), run.steps_done
+            run.log_event({"event": "eval", "step": ev_step, "epoch": epoch, **ev})
+            say(f"eval epoch {epoch}: loss {ev['eval_loss']:.4f}"
+                + (f" accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
+                + f" ({ev['eval_samples']} samples)")
+    if bar:
+        bar.close()
+    if ev_step != run.steps_done:  # stopped mid-epoch (max_steps): evaluate the final weights
+        ev = evaluate(job)
+        run.log_event({"event": "eval", "step": run.steps_done, "epoch": loader.epoch, **ev})
+    wall = time.perf_counter() - start
+    return {"train_loss": logged.get("loss"), "wall_s": wall,
+            "samples_per_s": (run.steps_done - start_step) * cfg.batch_size / max(wall, 1e-9), **ev}
+
+
+def _progress(cfg, run: Run, total: int):
+    if not (run.is_main and cfg.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=run.steps_done, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
+                file=sys.stderr, disable=None)  # disable=None: no bar when stderr is not a terminal
+
