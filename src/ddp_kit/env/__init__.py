@@ -39,6 +39,16 @@ class DistEnv:
     gpus_on_node: int | None = None  # GPUs the scheduler allocated on this node (None: not said)
 
     @property
+    def launched(self) -> bool:
+        """Started by a launcher (torchrun, srun, ...), not as a plain `python` process."""
+        return self.launcher != SINGLE
+
+    @property
+    def requeue_command(self) -> tuple[str, ...] | None:
+        """The command that puts this job back in its scheduler's queue (None: no scheduler requeues it)."""
+        return ("scontrol", "requeue", self.requeue_id) if self.requeue_id else None
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 

@@ -510,7 +510,7 @@ class Guard:
             self.save()
             self.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
             self._ckpt.wait()
-        wants_requeue = signum == signal.SIGUSR2 and self.ctx.env.batch_job_id is not None
+        wants_requeue = signum == signal.SIGUSR2 and self.ctx.env.requeue_command is not None
         code = exit_code(signum)
         if self.ctx.is_main:
             # Printed before the requeue: SLURM ends this job the moment it requeues it.
@@ -521,7 +521,7 @@ class Guard:
                   f"{'requeueing the job' if wants_requeue else 'rerun the same command to resume'}; "
                   f"exiting with {code}", file=sys.stderr, flush=True)
             if wants_requeue:
-                print(f"ddp_kit: {requeue(self.ctx.env.requeue_id)}", file=sys.stderr, flush=True)
+                print(f"ddp_kit: {requeue(self.ctx.env.requeue_command)}", file=sys.stderr, flush=True)
         # No rank exits before the requeue is done: under `srun --kill-on-bad-exit` the first rank
         # to exit non-zero gets every other task (and rank 0's scontrol) killed.
         barrier(self.ctx)
@@ -661,7 +661,7 @@ def _watch_store(ctx: DistContext) -> Any:
         return ctx.store_client()
     import torch.distributed as tdist
 
-    return tdist.HashStore() if ctx.env.launcher != "single" else None
+    return tdist.HashStore() if ctx.env.launched else None
 
 
 def config_hash(config: dict[str, Any]) -> str:

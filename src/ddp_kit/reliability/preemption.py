@@ -130,14 +130,15 @@ def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple
     return int(PRIORITY[prio]), bool(any_also)
 
 
-def requeue(job: str | None) -> str:
-    """Requeue SLURM job `job` (DistEnv.requeue_id: for an array task, only that task)."""
-    if not job:
-        return "not a SLURM job: not requeued; run the same command again to resume"
+def requeue(command: tuple[str, ...] | None) -> str:
+    """Run the scheduler's requeue command for this job (DistEnv.requeue_command; None: not requeueable)."""
+    if not command:
+        return "no scheduler to requeue this job: run the same command again to resume"
+    shown = " ".join(command)
     try:
-        res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+        res = subprocess.run(list(command), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"could not requeue job {job}: {exc} (is scontrol on PATH in the job?)"
+        return f"could not run {shown}: {exc} (is {command[0]} on PATH in the job?)"
     if res.returncode != 0:
-        return f"scontrol requeue {job} failed: {res.stderr.strip() or res.stdout.strip()} (is the job --requeue?)"
-    return f"job {job} requeued"
+        return f"{shown} failed: {res.stderr.strip() or res.stdout.strip()} (is the job requeueable?)"
+    return f"requeued ({shown})"
