@@ -74,3 +74,39 @@ def one_rank_group():
         yield
     finally:
         tdist.destroy_process_group()
+
+
+# The uninterrupted `python -m ddp_kit.train` runs that recoveries and other layouts must reproduce
+# (param_sha256). The flags of a run that do not change its weights (hang timeouts, where it runs)
+# are left out, so that files comparing against the same job share one run of it.
+REFERENCE_2_EPOCHS = ("--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5")
+REFERENCE_3_EPOCHS = ("--epochs", "3", "--ckpt_every", "5", "--progress", "false", "--log_every", "5")
+
+
+@pytest.fixture(scope="session")
+def reference_summary(tmp_path_factory):
+    """`reference_summary(nproc, args)`: summary.json of `python -m ddp_kit.train *args` on `nproc` ranks
+    (torchrun above 1), run once per test session and shared by every xdist worker of it: the first
+    to ask runs it under a file lock, the others wait for it and read its summary."""
+    import fcntl
+    import hashlib
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    # under xdist each worker's basetemp is one folder of the session's; alone, the session's own
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = root / "shared_references"
+    root.mkdir(exist_ok=True)
+
+    def get(nproc: int, args=REFERENCE_2_EPOCHS) -> dict:
+        key = hashlib.sha256(repr((nproc, tuple(args))).encode()).hexdigest()[:12]
+        run_dir = root / f"w{nproc}_{key}"
+        with open(root / f"w{nproc}_{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the run fails
+            if not (run_dir / "summary.json").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)  # a failed earlier attempt leaves no stale state
+                cmd = ["-m", "ddp_kit.train", *args, "--run_dir", str(run_dir)]
+                ok(run_cmd([sys.executable, *cmd], timeout=240) if nproc == 1 else torchrun(cmd, nproc=nproc, timeout=240))
+        return read_json(run_dir / "summary.json")
+
+    return get

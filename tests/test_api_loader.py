@@ -11,7 +11,8 @@ from ddp_kit.api import Run
 from ddp_kit.dist import DistContext
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
-from ddp_kit.reliability.boundary import Guard, Policy
+from ddp_kit.reliability.boundary import StepBoundary
+from ddp_kit.reliability.policy import Policy
 from ddp_kit.reliability.preemption import PreemptFlag
 from ddp_kit.reliability.progress import Progress
 
@@ -21,7 +22,7 @@ DS = TensorDataset(torch.arange(40))
 def _runs(world=2, seed=0):
     """One Run per rank, without a process group: loaders need only rank and world size."""
     ctxs = [DistContext(DistEnv(rank=r, world_size=world), torch.device("cpu"), "gloo") for r in range(world)]
-    return [Run(c, None, Guard(c, Policy(hang_timeout_s=0), Progress(), PreemptFlag()), True, seed) for c in ctxs]
+    return [Run(c, None, StepBoundary(c, Policy(hang_timeout_s=0), Progress(), PreemptFlag()), True, seed) for c in ctxs]
 
 
 def _steps(loaders, epochs=1):

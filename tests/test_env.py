@@ -111,3 +111,77 @@ def test_requeue_target_is_the_array_task_not_the_array():
     assert requeue_target({"SLURM_JOB_ID": "7"}) == "7"
     assert requeue_target({"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "0"}) == "100_0"
     assert requeue_target({}) is None
+
+
+# ---- the neutral facts the rest of ddp_kit asks instead of a launcher's name ----------------------------
+
+FACTS = ("scheduler_binds_gpus", "agent_store", "sets_omp_threads", "rendezvous_by_launcher", "launched")
+
+
+def facts(env):
+    return {name: getattr(env, name) for name in FACTS}
+
+
+def test_facts_of_torchrun():
+    env = detect({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert facts(env) == {"scheduler_binds_gpus": False, "agent_store": True, "sets_omp_threads": True,
+                          "rendezvous_by_launcher": True, "launched": True}
+    assert env.requeue_command is None and env.batch_job_id is None and env.job_id == "abc"
+    assert detect({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "False"}).agent_store is False  # rank 0 hosts it
+
+
+def test_facts_of_srun_one_task_per_gpu():
+    env = detect({**SLURM_SRUN, "SLURM_CPUS_ON_NODE": "32", "SLURM_GPUS_ON_NODE": "2"})
+    assert facts(env) == {"scheduler_binds_gpus": True, "agent_store": False, "sets_omp_threads": False,
+                          "rendezvous_by_launcher": False, "launched": True}
+    assert env.requeue_command == ("scontrol", "requeue", "123456")
+    assert (env.batch_job_id, env.cpus_on_node, env.gpus_on_node) == ("123456", 32, 2)
+
+
+def test_facts_of_torchrun_inside_a_slurm_job():
+    # one srun task per node runs torchrun: torchrun's variables describe the workers, SLURM's the allocation
+    env = detect({**SLURM_SRUN, **TORCHRUN, "SLURM_CPUS_ON_NODE": "32", "SLURM_ARRAY_JOB_ID": "9",
+                  "SLURM_ARRAY_TASK_ID": "4"})
+    assert facts(env) == {"scheduler_binds_gpus": False, "agent_store": False, "sets_omp_threads": True,
+                          "rendezvous_by_launcher": True, "launched": True}
+    assert env.requeue_command == ("scontrol", "requeue", "9_4") and env.batch_job_id == "123456"
+    assert env.cpus_on_node == 32 and env.job_id == "abc"
+    no_run_id = {k: v for k, v in TORCHRUN.items() if k != "TORCHELASTIC_RUN_ID"}
+    assert detect({**SLURM_SRUN, **no_run_id}).job_id == "123456"  # the scheduler's job id fills in
+
+
+def test_facts_of_env_vars_by_hand():
+    env = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"})
+    assert facts(env) == {"scheduler_binds_gpus": False, "agent_store": False, "sets_omp_threads": False,
+                          "rendezvous_by_launcher": False, "launched": True}
+    assert env.requeue_command is None
+
+
+def test_facts_of_a_plain_process():
+    for environ in ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}):
+        env = detect(environ)
+        assert facts(env) == {"scheduler_binds_gpus": False, "agent_store": False, "sets_omp_threads": False,
+                              "rendezvous_by_launcher": False, "launched": False}
+    assert detect({}).requeue_command is None
+    assert detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).requeue_command == ("scontrol", "requeue", "7")
+
+
+def test_launchers_are_tried_in_order_and_each_says_none_when_not_its_process():
+    from ddp_kit.env import LAUNCHERS
+
+    assert [m.NAME for m in LAUNCHERS] == ["torchrun", "env", "slurm", "single"]
+    for launcher in LAUNCHERS[:-1]:
+        assert launcher.detect({}) is None  # only the last always answers
+    assert LAUNCHERS[-1].detect({}) == DistEnv()
+
+
+def test_srun_gpu_layout_rules():
+    from ddp_kit.env import check_gpus
+
+    env = detect({**SLURM_SRUN, "SLURM_GPUS_ON_NODE": "4", "SLURM_LOCALID": "0", "SLURM_PROCID": "4"})
+    assert check_gpus(env, 1, {}) == ["[node 1] SLURM allocated 4 GPU(s) but 1 are visible (CUDA_VISIBLE_DEVICES=unset)"]
+    with pytest.raises(UserError) as e:
+        check_gpus(env, 4, {})  # 2 tasks on the node, 4 GPUs each sees
+    assert "--ntasks-per-node=4" in e.value.hint
+    assert check_gpus(detect({**SLURM_SRUN, "SLURM_GPUS_ON_NODE": "2"}), 2, {}) == []
+    assert check_gpus(detect(TORCHRUN), 8, {}) == []  # torchrun has no rules of its own here

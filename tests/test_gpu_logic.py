@@ -108,7 +108,7 @@ def test_native_bf16_says_nothing_and_no_bf16_is_refused():
 @pytest.mark.parametrize("is_main", [True, False])
 def test_check_amp_warns_once_on_the_main_rank(monkeypatch, capsys, is_main):
     """The GPU's facts are the test double (no GPU here): a T4, where torch accepts bf16 by emulation."""
-    import ddp_kit.parallel.wrap as wrap
+    import ddp_kit.parallel.precision as wrap
 
     monkeypatch.setattr(wrap, "_bf16_facts", lambda device: ("Tesla T4", (7, 5), False, True))
     wrap.check_amp("bf16", torch.device("cuda", 0), is_main=is_main)  # not refused

@@ -15,9 +15,17 @@ def lines(res, prefix):
     return [ln for ln in res.stdout.splitlines() if ln.startswith(prefix)]
 
 
+@pytest.fixture(scope="module")
+def local_and_save(tmp_path_factory):
+    """One launch for two tests that only read its output: lone_rank.py's local and save modes, run
+    one after the other in the same 2 ranks."""
+    out = tmp_path_factory.mktemp("local_save")
+    return ok(torchrun([str(HELPERS / "lone_rank.py"), "local+save", str(out)], timeout=120))
+
+
 @pytest.mark.slow
-def test_main_only_runs_a_ddp_forward_locally_and_refuses_torchs_own_collectives():
-    res = ok(torchrun([str(HELPERS / "lone_rank.py"), "local"], timeout=120))
+def test_main_only_runs_a_ddp_forward_locally_and_refuses_torchs_own_collectives(local_and_save):
+    res = local_and_save
     fwd = lines(res, "ddp forward: ")
     assert len(fwd) == 1 and "returned after" in fwd[0], res.stdout + res.stderr[-3000:]
     assert lines(res, "ddp forward is the module's own: True"), res.stdout
@@ -87,8 +95,8 @@ def test_an_optimizer_made_before_fsdp_prepare_is_refused_before_step_1(tmp_path
 
 
 @pytest.mark.slow
-def test_the_scripts_own_save_of_the_wrapped_model_is_warned_about_once(tmp_path):
-    res = ok(torchrun([str(HELPERS / "lone_rank.py"), "save", str(tmp_path)], timeout=120))
+def test_the_scripts_own_save_of_the_wrapped_model_is_warned_about_once(local_and_save):
+    res = local_and_save
     warned = [ln for ln in res.stderr.splitlines() if "model.state_dict() of the DDP-wrapped model" in ln]
     assert len(warned) == 1 and "'module.'" in warned[0] and "run.unwrap(model).state_dict()" in warned[0], res.stderr
     assert "keys: ['module." in res.stdout  # what the warning is about

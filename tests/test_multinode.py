@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, ok, proc_env, read_json, torchrun
+from conftest import REFERENCE_3_EPOCHS, ROOT, proc_env, read_json
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"),
                                  reason="needs root, iproute2 and unshare")]
-ARGS = ["--epochs", "3", "--progress", "false", "--hang_timeout_s", "60"]
+ARGS = [*REFERENCE_3_EPOCHS, "--hang_timeout_s", "60"]  # epochs 3, as test_slurm's: one reference run for both
 
 
 def sh(*cmd):
@@ -61,9 +61,8 @@ def launch_node(ns: str, host: str, run_dir) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def test_two_hosts_c10d_rendezvous(hosts, tmp_path):
-    ref = tmp_path / "ref"
-    ok(torchrun(["-m", "ddp_kit.train", *ARGS, "--run_dir", str(ref)], nproc=4, timeout=240))
+def test_two_hosts_c10d_rendezvous(hosts, tmp_path, reference_summary):
+    ref = reference_summary(4, REFERENCE_3_EPOCHS)  # the same job as 4 ranks of torchrun on one host
     for attempt in range(2):  # measured: ~1 in 30 such runs fails to rendezvous; one retry
         run_dir = tmp_path / f"run{attempt}"
         procs = [launch_node(hosts[h], h, run_dir) for h in ("nodea", "nodeb")]
@@ -79,4 +78,4 @@ def test_two_hosts_c10d_rendezvous(hosts, tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-3000:] for o in outs)
     summary = read_json(run_dir / "summary.json")
     assert summary["world_size"] == 4 and summary["eval_samples"] == 360
-    assert summary["param_sha256"] == read_json(ref / "summary.json")["param_sha256"]
+    assert summary["param_sha256"] == ref["param_sha256"]

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from conftest import ROOT, ok, read_json, torchrun
+from conftest import REFERENCE_3_EPOCHS, ROOT, read_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(slurm_cluster.available() is not None,
                                                    reason=f"no SLURM here: {slurm_cluster.available()}")]
 
-ARGS = ["--epochs", "3", "--ckpt_every", "5", "--log_every", "5", "--progress", "false", "--hang_timeout_s", "60"]
+ARGS = [*REFERENCE_3_EPOCHS, "--hang_timeout_s", "60"]  # epochs 3, a checkpoint every 5 steps
 # Slows rank 0 (on the first attempt only) so that a signal can land mid-run; weights are unaffected.
 SLOW = ["--inject", "slow:rank=0:step=1:ms=120"]
 
@@ -39,11 +39,10 @@ def _clean_queue(request):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same job as 4 ranks of torchrun on one node: what every SLURM run must reproduce."""
-    d = tmp_path_factory.mktemp("ref4")
-    ok(torchrun(["-m", "ddp_kit.train", *ARGS, "--run_dir", str(d)], nproc=4, timeout=240))
-    return read_json(d / "summary.json")
+def reference(reference_summary):
+    """The same job as 4 ranks of torchrun on one node: what every SLURM run must reproduce (the run
+    test_multinode compares against too: one run of it per session)."""
+    return reference_summary(4, REFERENCE_3_EPOCHS)
 
 
 def submit(cluster, template, run_dir, *extra_args, sbatch=(), nproc=2, env=None, unset=()):

@@ -47,7 +47,7 @@ def test_b_hang(tmp_path):
     assert any("hang: no progress" in line and "Lagging: rank 1" in line for line in lines), lines
     assert any(line.strip().startswith("rank 1") and "after step" in line for line in lines), lines
     assert (tmp_path / "hang" / "rank0.txt").exists() and (tmp_path / "hang" / "rank1.txt").exists()
-    assert "faults.py" in (tmp_path / "hang" / "rank1.txt").read_text()
+    assert "inject.py" in (tmp_path / "hang" / "rank1.txt").read_text()
     assert took < HANG + 25, took  # 15 s on an idle machine
 
 
@@ -107,7 +107,7 @@ def test_g_a_hang_in_step_1_is_reported_at_the_hang_timeout_and_ends_at_the_star
     assert len(early) == 1 and "startup bound (30s" in early[0], res.stderr[-3000:]
     assert 5 <= int(early[0].split("no progress for ")[1].split("s")[0]) < 15, early  # at the hang timeout, once
     after = res.stderr[res.stderr.index(early[0]):]
-    assert "rank 1 (" in after and "at faults.py" in after  # where each rank is, the stalled one included
+    assert "rank 1 (" in after and "at inject.py" in after  # where each rank is, the stalled one included
     assert after.index("rank 1 (") < after.index("ddp_kit: hang: no progress for ")  # said first, ended later
 
 

@@ -84,3 +84,57 @@ def test_a_user_task_killed_under_max_restarts_resumes_bit_identical(cwd):
     assert "resumed from" in res.stdout and "step 8" in res.stdout, res.stdout[-2000:]
     ref, got = (read_json(cwd / d / "summary.json") for d in ("ref", "run"))
     assert got["resumed_from_step"] == 8 and got["param_sha256"] == ref["param_sha256"]
+
+
+# ---- the built-in registries: one file per model or dataset ----------------------------------------
+
+def test_each_builtin_model_and_dataset_is_one_file_its_registry_finds():
+    from pathlib import Path
+
+    import ddp_kit.datasets as datasets
+    import ddp_kit.models as models
+
+    for face in (models, datasets):
+        files = sorted(p.stem for p in Path(face.__file__).parent.glob("*.py") if not p.name.startswith("_"))
+        assert list(face.REGISTRY) == files and list(face.DESCRIPTIONS) == files
+        assert all(face.DESCRIPTIONS.values()), face.DESCRIPTIONS  # the help text's one line
+    assert set(models.REGISTRY) >= {"mlp", "resnet18", "tiny", "cnn"}
+    assert set(datasets.REGISTRY) >= {"digits", "synthetic", "mnist", "cifar10"}
+
+
+def test_help_lists_every_builtin_from_the_registries():
+    from ddp_kit.datasets import REGISTRY as DATASETS
+    from ddp_kit.losses import LOSSES
+    from ddp_kit.models import REGISTRY as MODELS
+    from ddp_kit.train.config import help_text
+
+    text = help_text()
+    missing = [name for name in (*MODELS, *DATASETS, *LOSSES) if f" {name} " not in text]
+    assert not missing, missing
+
+
+def test_the_kept_import_path_tasks_is_the_library_losses():
+    from ddp_kit.losses import LOSSES
+    from ddp_kit.tasks import LOSSES as OLD
+
+    assert OLD is LOSSES and "cross_entropy" in LOSSES
+
+
+def test_importing_the_datasets_loads_neither_sklearn_nor_torchvision():
+    code = ("import sys, ddp_kit.datasets\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy', 'torchvision')))")
+    assert ok(run_cmd([sys.executable, "-c", code])).stdout.strip() == "[]"
+
+
+def test_the_run_answers_the_micro_batch_and_the_loader_workers():
+    code = ("import ddp_kit\n"
+            "from ddp_kit.errors import UserError\n"
+            "with ddp_kit.init() as run:\n"
+            "    print(run.micro_batch(64, 2), run.loader_workers)\n"
+            "    try:\n"
+            "        run.micro_batch(63, 2)\n"
+            "    except UserError as err:\n"
+            "        print(err.message)\n")
+    *_, answers, refusal = ok(run_cmd([sys.executable, "-c", code])).stdout.splitlines()
+    assert answers.split() == ["32", "0"]  # one rank on CPU: no loader workers
+    assert "batch_size 63 (global) does not divide into world_size 1 x grad_accum 2" in refusal

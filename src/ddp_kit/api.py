@@ -9,27 +9,31 @@ and four more give it checkpoints, preemption, the hang watchdog and sync checks
     for epoch in run.epochs(10):                          # continues with the epoch the checkpoint was in
         ...
         optimizer.step()
-        run.step(loss)                                    # the step boundary (see guard.py)
+        run.step(loss)                                    # the step boundary (reliability/boundary.py)
 
 `loss.backward()` and `optimizer.step()` stay as they are. The loader's batch_size is read as
 the GLOBAL batch (split over ranks) so that the recipe is the same on 1 and N ranks; pass
 `split_batches=False` to keep it per rank, as Accelerate does by default.
 
 A loader is sharded the way it samples, or refused in one line (`Run.train_loader`). Any error
-that ends the script is handled as in `python -m ddp_kit.train` (failure.py): a UserError is one
-line and exit 2; another exception is printed once, by the rank that raised it, and the other
-ranks stop within seconds, naming it.
+that ends the script is handled as in `python -m ddp_kit.train` (reliability/crash.py): a UserError
+is one line and exit 2; another exception is printed once, by the rank that raised it, and the
+other ranks stop within seconds, naming it.
+
+This module is the face only: `init`, `Run` (every method a script calls, which is why it is long:
+each is a few lines that hand over to the module doing the work) and `Resumed`. The rest lives in
+modules named for it: the step boundary (reliability/boundary.py), option checks (run_options.py),
+a loader's sampling (data/resample.py), the eval loader (reliability/eval_pass.py), the excepthook
+(reliability/excepthook.py), the strategies (parallel/).
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import difflib
 import inspect
 import os
 import sys
 import threading
-import time
 import weakref
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -37,27 +41,32 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as tdist
 from torch import nn
-from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler, Subset,
-                              SubsetRandomSampler, WeightedRandomSampler)
+from torch.utils.data import DataLoader
 
-from .data import TrainLoader, check_sized, eval_loader, per_rank_batch
+from .data import TrainLoader, eval_loader, per_rank_batch
+from .data.resample import loader_sampling
 from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
 from .env import DistEnv, detect
-from .errors import EXIT_USER_ERROR, UserError, report_user_error
+from .errors import UserError
 from .parallel.fsdp import full_state_dict, is_sharded
-from .reliability.boundary import Guard, Policy
+from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY, strategy as find_strategy, strategy_of
+from .reliability.boundary import StepBoundary
+from .reliability.eval_pass import EvalLoader
+from .reliability.excepthook import Failures
+from .reliability.policy import Policy
+from .reliability.run_dir_checks import hang_folder
 from .reliability.preemption import PreemptFlag
-from .reliability.run_dir import RunDir
 from .reliability.sync_checks import in_main_only, main_only
 from .reliability.progress import Progress
-from .parallel.wrap import (ddp_local_forward, kernel_settings, sync_ddp_buffers, sync_gradients, unwrap, unwrap_ddp,
-                   wrap_model)
+from .resources import loader_workers
+from .parallel.wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
+from .run_options import config_as_json, policy_from_options
 
 
 class Run:
     """A live distributed context plus the helpers a training script needs. Create it with `init()`."""
 
-    def __init__(self, ctx: DistContext, stack: ExitStack, guard: Guard, split_batches: bool, seed: int):
+    def __init__(self, ctx: DistContext, stack: ExitStack, guard: StepBoundary, split_batches: bool, seed: int):
         self.ctx = ctx
         self._stack = stack
         self._guard = guard
@@ -65,7 +74,10 @@ class Run:
         self.split_batches = split_batches
         self.seed = seed
         self._uneven_eval = False  # an eval loader split for DDP exists (FSDP needs even batch counts)
-        self._prepared: weakref.WeakSet = weakref.WeakSet()  # models this Run's prepare returned
+        # models this Run's prepare returned -> the module it was given (unwrapped once, here)
+        self._prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if stack is not None:  # let go of the modules before the process group goes (see StepBoundary.close)
+            stack.callback(self._prepared.clear)
         self._said_wrapped_state = False
 
     device = property(lambda self: self.ctx.device)
@@ -75,9 +87,22 @@ class Run:
 
     run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
 
+    def micro_batch(self, batch_size: int, grad_accum: int = 1) -> int:
+        """The samples one rank loads per forward pass for a GLOBAL `batch_size` split over this run's
+        ranks and `grad_accum` micro-steps; a batch that does not split evenly is refused (UserError).
+        Before init (no Run yet) `ddp_kit.data.per_rank_batch(batch_size, world_size, grad_accum)`."""
+        return per_rank_batch(batch_size, self.world_size, grad_accum)
+
+    @property
+    def loader_workers(self) -> int:
+        """DataLoader workers for this rank when you have no number of your own: 0 on CPU; on CUDA
+        this rank's share of the node's CPUs less one, at most 8 (lowered by `prepare` to what
+        in-memory data or a short epoch needs)."""
+        return loader_workers(self.ctx.env, self.device)
+
     def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False, channels_last: bool = False,
                 grad_accum: int = 1, ddp: dict[str, Any] | None = None, device_data: bool = False,
-                strategy: str = "ddp", fsdp: dict[str, Any] | None = None, amp: str = "off") -> Any:
+                strategy: str = DEFAULT_STRATEGY, fsdp: dict[str, Any] | None = None, amp: str = "off") -> Any:
         """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
 
         Everything returned that has state_dict/load_state_dict (the model, the loader with its data
@@ -93,30 +118,32 @@ class Run:
         reshard_after_forward; `amp="bf16"` gives it FSDP's mixed-precision policy. Checkpoints of
         the models and the optimizers over their parameters are then sharded (DCP): create the
         optimizer from the model this returns."""
-        if strategy == "fsdp" and any(isinstance(o, nn.Module) for o in objs):
+        chosen = find_strategy(strategy)
+        if chosen.sharded and any(isinstance(o, nn.Module) for o in objs):
             if self._uneven_eval:
                 raise UserError("run.eval_loader was called before run.prepare(model, strategy='fsdp'): its batches "
                                 "were split for DDP, and under FSDP ranks with fewer eval batches would leave the "
                                 "others waiting in an all-gather", "call run.prepare on the model first, then "
                                 "run.eval_loader")
-            self._guard.strategy = "fsdp"
+            self._guard.strategy = chosen
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
-                self._guard.track(o)
+                self._guard.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
                      ddp: dict[str, Any] | None, device_data: bool, sharding: dict[str, Any]) -> Any:
         if isinstance(obj, nn.Module):
-            kind = "FSDP" if is_sharded(obj) else "DDP" if unwrap_ddp(obj) is not None else ""
+            held = strategy_of(obj)
+            kind = held.label if held is not None else ""
             if kind or obj in self._prepared:
                 raise UserError(f"run.prepare got a model that is already prepared{f' (wrapped in {kind})' if kind else ''}",
                                 "prepare the plain model once and keep what run.prepare returned")
             model = wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
                                **sharding)
-            self._prepared.add(model)  # at world size 1 the model comes back unwrapped: this Run remembers it
+            self._prepared[model] = obj  # at world size 1 the model comes back unwrapped: this Run remembers it
             ddp = unwrap_ddp(model)
             hook = getattr(ddp, "register_state_dict_post_hook", None)  # (torch >= 2.5)
             if hook is not None:  # ddp_kit's own saves take the unwrapped module's state_dict: only yours get here
@@ -148,9 +175,9 @@ class Run:
         `collate_fn` are kept. Only whole global batches are used: a tail that cannot fill one is
         skipped each epoch, which rank 0 points out unless the loader has drop_last=True.
         """
-        dataset, shuffle, seed = self._sampling(loader)
+        dataset, shuffle, seed = loader_sampling(loader, self.seed)
         batch = loader.batch_size * (1 if self.split_batches else self.world_size)
-        per_rank_batch(batch, self.world_size, grad_accum)  # an error that stops the run comes first, alone
+        self.micro_batch(batch, grad_accum)  # an error that stops the run comes first, alone
         tail = len(dataset) % batch
         if tail and not loader.drop_last and self.is_main and len(dataset) >= batch:
             which = f"a different {tail} each epoch" if shuffle else f"the last {tail}, every epoch"
@@ -168,7 +195,7 @@ class Run:
         The order is irrelevant to sums, so any sampler that takes each sample once is accepted
         (SubsetRandomSampler: its indices); the rest is refused as in `train_loader`, and so is
         drop_last=True, which would leave samples out."""
-        dataset, _, _ = self._sampling(loader)
+        dataset, _, _ = loader_sampling(loader, self.seed)
         if loader.drop_last:
             raise UserError("run.eval_loader evaluates every sample exactly once, so it cannot honour drop_last=True",
                             "pass drop_last=False to the evaluation DataLoader")
@@ -177,50 +204,9 @@ class Run:
         shard = eval_loader(dataset, batch_size=loader.batch_size, world_size=self.world_size, rank=self.rank,
                             num_workers=loader.num_workers, pin_memory=self.device.type == "cuda",
                             collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
-                            even_batches=self._guard.strategy == "fsdp")
-        self._uneven_eval = self._uneven_eval or (self._guard.strategy != "fsdp" and self.world_size > 1)
-        return _EvalLoader(shard, lambda: self._guard.heartbeat("eval"), self._guard.models)
-
-    def _sampling(self, loader: DataLoader) -> tuple[Dataset, bool, int]:
-        """(dataset to shard, shuffle, seed) that reproduce `loader`'s sampling; refuses what cannot be sharded."""
-        check_sized(loader.dataset)
-        yourself = "shard it yourself by run.rank and run.world_size and use that DataLoader without run.prepare"
-        if loader.batch_size is None:
-            if loader.batch_sampler is not None:
-                raise UserError(f"the DataLoader has a batch_sampler ({type(loader.batch_sampler).__name__}): ddp_kit "
-                                f"builds the batches itself to split each one over ranks",
-                                f"pass batch_size (the global batch) and shuffle instead, or {yourself}")
-            raise UserError("the DataLoader has batch_size=None (no batching): ddp_kit splits whole batches over ranks",
-                            "pass batch_size (the global batch)")
-        sampler = loader.sampler
-        generator = getattr(sampler, "generator", None) or loader.generator
-        seed = generator.initial_seed() % 2**63 if generator is not None else self.seed
-        kind = type(sampler)
-        if kind is SequentialSampler:
-            return loader.dataset, False, seed
-        if kind is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
-            return loader.dataset, True, seed
-        if kind is SubsetRandomSampler:
-            return Subset(loader.dataset, [int(i) for i in sampler.indices]), True, seed
-        if isinstance(sampler, DistributedSampler):
-            raise UserError(f"the DataLoader already has a {kind.__name__}: run.prepare shards a plain DataLoader itself "
-                            f"(its batch_size is the global batch)",
-                            "pass a plain DataLoader with shuffle=True/False; ddp_kit shards it")
-        per_rank = ("draw on each rank yourself (num_samples // run.world_size, a generator seeded with seed + run.rank) "
-                    "and use that DataLoader without run.prepare")
-        if isinstance(sampler, WeightedRandomSampler):
-            how = "by weight, with replacement" if sampler.replacement else "by weight"
-            raise UserError(f"the DataLoader's sampler {kind.__name__} draws {how}: ddp_kit cannot split that over ranks "
-                            f"without changing what is sampled", per_rank)
-        if kind is RandomSampler:  # with replacement, or not one whole epoch
-            what, how = (("replacement=True", "with replacement") if sampler.replacement else
-                         (f"num_samples={sampler.num_samples}",
-                          f"{sampler.num_samples} samples per epoch from {len(sampler.data_source)}"))
-            raise UserError(f"the DataLoader's sampler RandomSampler({what}) draws {how}: ddp_kit cannot split that "
-                            f"over ranks without changing what is sampled", f"use shuffle=True, or {per_rank}")
-        raise UserError(f"the DataLoader's sampler {kind.__name__} is not one ddp_kit can shard (it shards "
-                        f"SequentialSampler, RandomSampler and SubsetRandomSampler)",
-                        f"use shuffle=True/False, or {yourself}")
+                            even_batches=self._guard.strategy.sharded)
+        self._uneven_eval = self._uneven_eval or (not self._guard.strategy.sharded and self.world_size > 1)
+        return EvalLoader(shard, lambda: self._guard.heartbeat("eval"), self._guard.models)
 
     # ---- the reliability layer: checkpoints, preemption, watchdog, sync checks (guard.py) -------------
 
@@ -320,17 +306,19 @@ class Run:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Your module under the DDP / torch.compile wrappers (under FSDP its parameters stay sharded:
         see full_state_dict)."""
-        return unwrap(model)
+        module = self._prepared.get(model)
+        return module if module is not None else unwrap(model)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, Any]:
         """Your model's plain state_dict (whole CPU tensors, the keys of the unwrapped module) for
         `torch.save` or another process, under any strategy. Under FSDP every rank must call it (the
         shards are gathered one tensor at a time); with rank0_only the other ranks get {}."""
-        if in_main_only() and is_sharded(unwrap(model)):
+        module = self.unwrap(model)
+        if in_main_only() and is_sharded(module):
             raise UserError("run.full_state_dict(model) was called inside main_only() on a sharded (FSDP) model: it "
                             "gathers the shards from every rank, and the other ranks skip the block",
                             "call it on every rank before main_only() (rank 0 keeps the result), then use the dict inside")
-        return full_state_dict(unwrap(model), keep=self.is_main or not rank0_only)
+        return full_state_dict(module, keep=self.is_main or not rank0_only)
 
     @contextmanager
     def main_only(self) -> Iterator[bool]:
@@ -417,70 +405,10 @@ class Resumed(int):
         return out
 
 
-class _EvalLoader:
-    """A DataLoader whose every batch is a heartbeat (long evals are progress too), and before whose
-    first batch every prepared DDP model takes rank 0's buffers: the evaluated model is the one a
-    checkpoint saves, the same on every rank, and its forwards start no collective (a rank with an
-    empty shard may call none). Else the same loader. Every rank iterates it, empty shard or not."""
-
-    def __init__(self, loader: DataLoader, beat: Callable[[], None], models: list[nn.Module]):
-        self._loader, self._beat, self._models = loader, beat, models
-
-    def __iter__(self):
-        if in_main_only():
-            raise UserError("run.eval_loader was iterated inside main_only(): it holds only this rank's share of the "
-                            "data, and making it agree on the model's buffers needs every rank",
-                            "iterate it on every rank and combine the sums with run.sum(...), or use a plain "
-                            "DataLoader over the whole set inside main_only()")
-        self._beat()
-        for model in self._models:
-            sync_ddp_buffers(model)
-        for batch in self._loader:
-            self._beat()
-            for model in self._models:  # an eval forward with gradients on would arm the broadcast again
-                ddp_local_forward(model)
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-def _as_json(config: dict | None) -> dict | None:
-    """The config as a checkpoint's meta.json will hold it (tuples as lists, keys as strings), so that
-    a resume compares like with like; refused in one line when it does not fit in JSON."""
-    if config is None:
-        return None
-    import json
-
-    try:
-        return json.loads(json.dumps(config))
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"ddp_kit.init(config=...) must be JSON-able (numbers, strings, lists, dicts): {exc}",
-                        "pass plain values, e.g. str(path) for a path") from None
-
-
-def _policy(run_dir: str | Path | None, options: dict[str, Any]) -> Policy:
-    known = {f.name for f in dataclasses.fields(Policy)} - {"run_dir"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        prepare = sorted(set(unknown) & set(inspect.signature(Run.prepare).parameters) - {"self", "objs"})
-        if prepare:  # Fabric-style Fabric(strategy=...): here the model's options go where the model does
-            raise UserError(f"ddp_kit.init() got {', '.join(prepare)}, which {'is an option' if len(prepare) == 1 else 'are options'} "
-                            f"of run.prepare", f"pass it with the model: run.prepare(model, ..., "
-                            f"{', '.join(f'{k}=...' for k in prepare)})")
-        own = [n for n, p in inspect.signature(init).parameters.items() if p.kind == p.KEYWORD_ONLY or n == "run_dir"]
-        everything = sorted(set(own) | known)
-        near = [m for k in unknown for m in difflib.get_close_matches(k, everything, n=2, cutoff=0.6)]
-        raise UserError(f"ddp_kit.init() got unknown option(s) {', '.join(unknown)}",
-                        f"did you mean {' or '.join(dict.fromkeys(near))}? known: {', '.join(everything)}" if near
-                        else f"known: {', '.join(everything)}")
-    if run_dir is None and (options.get("ckpt_every") or options.get("async_ckpt")):
-        raise UserError("checkpoint options were given but no run_dir to write checkpoints into",
-                        'pass run_dir to ddp_kit.init(run_dir="runs/my_run", ...)')
-    return Policy(run_dir=None if run_dir is None else str(run_dir), **options)
+def init_options() -> tuple[str, ...]:
+    """The names `init(**options)` takes besides its own arguments: the step boundary's policy
+    (checkpoints, watchdog, sync checks, metrics), so that a script can pass its config's keys by name."""
+    return tuple(f.name for f in dataclasses.fields(Policy) if f.name != "run_dir")
 
 
 def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0,
@@ -501,36 +429,36 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     Teardown (and a final checkpoint after a clean end) happens at `run.close()`, at `with` exit,
     or at interpreter exit. An error that ends the script goes through the failure policy first.
     """
-    joining = _Failures(None)  # for errors while joining: there is no process group yet
+    joining = Failures(None)  # for errors while joining: there is no process group yet
     env = detect() if env is None else env
     joining.rank = env.rank  # before anything is checked: a mistake every rank makes is printed by rank 0 only
     if tdist.is_initialized():
         raise UserError("ddp_kit.init() was called while a process group already exists (a second ddp_kit.init(), "
                         "or your own init_process_group)", "call ddp_kit.init() once and pass the Run it returns "
                         "around; it sets up the process group itself")
-    policy = _policy(run_dir, options)
+    policy = policy_from_options(run_dir, options, _keywords(Run.prepare) - {"objs"}, _keywords(init, own=True))
     progress = Progress()
-    box: list[Guard] = []
+    box: list[StepBoundary] = []
     flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].saved_step if box else None)).install()
     stack = ExitStack()
     stack.callback(flag.restore)
-    hang_dir = str(RunDir(Path(policy.run_dir)).hang) if policy.run_dir else None
+    hang_dir = hang_folder(policy.run_dir) if policy.run_dir else None  # no run folder: NCCL's own default
     try:
         ctx = stack.enter_context(distributed(env, backend=backend, device=device, timeout_s=timeout_s,
-                                              dump_dir=hang_dir))
+                                              dump_dir=hang_dir, fail_fast=True))
     except BaseException:
         stack.close()
         raise
     kernel_settings(ctx.device, tf32=tf32, cudnn_benchmark=cudnn_benchmark, deterministic=deterministic)
-    guard = Guard(ctx, policy, progress, flag)
-    guard.config = _as_json(config)
+    guard = StepBoundary(ctx, policy, progress, flag)
+    guard.config = config_as_json(config)
     box.append(guard)
     stack.callback(guard.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that
     # wrapper our line would be lost when we exit. So the first hook steps aside (it stays wrapped
     # but only passes errors on) and a second one goes on the outside, until the Run closes.
     joining.active = False
-    stack.callback(_Failures(guard).uninstall)
+    stack.callback(Failures(guard).uninstall)
     run = Run(ctx, stack, guard, split_batches, seed)
     # The final checkpoint writes with threads: it must run before interpreter shutdown stops
     # thread pools from taking work, i.e. among threading's exit hooks (they run when the main
@@ -547,32 +475,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     return run
 
 
-class _Failures:
-    """sys.excepthook while a Run is open: the failure policy (failure.py) decides what this rank
-    prints and its exit code. While joining (no guard yet) only a UserError is handled: one line."""
-
-    def __init__(self, guard: Guard | None, rank: int = 0):
-        self.guard = guard
-        self.rank = guard.ctx.rank if guard is not None else rank
-        self.active = True
-        self.previous = sys.excepthook
-        sys.excepthook = self
-
-    def __call__(self, kind, err, tb) -> None:
-        if not self.active:
-            return self.previous(kind, err, tb)
-        if self.guard is None and isinstance(self.previous, _Failures) and self.previous.guard is not None:
-            return self.previous(kind, err, tb)  # a Run is open (a second ddp_kit.init): its policy decides
-        if self.guard is not None:
-            # SystemExit from an excepthook sets the exit code; atexit (teardown, no final save) still runs.
-            sys.exit(self.guard.fail(err))
-        if not isinstance(err, UserError):
-            return self.previous(kind, err, tb)
-        report_user_error(err, self.rank)
-        if self.rank != 0 and not err.local:
-            time.sleep(1.0)  # rank 0 prints it; torchrun stops all ranks once one exits, so give rank 0 a moment
-        sys.exit(EXIT_USER_ERROR)
-
-    def uninstall(self) -> None:
-        if sys.excepthook is self:
-            sys.excepthook = self.previous
+def _keywords(fn: Callable, own: bool = False) -> set[str]:
+    """The keyword names `fn` takes (own: keyword-only ones and run_dir, without **options)."""
+    params = inspect.signature(fn).parameters.items()
+    return {n for n, p in params if not own or p.kind == p.KEYWORD_ONLY or n == "run_dir"} - {"self"}

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as tdist
 from torch.torch_version import TorchVersion
 
-from .env import DistEnv, detect
+from .env import DistEnv, check_gpus, detect
 from .errors import EXIT_USER_ERROR, UserError
 from .reliability.failfast import LINGER_S, FailFast, post, store_prefix
-from .resources import apply_cpu_settings
 from .reliability.watchdog import FR_PREFIX
+from .resources import apply_cpu_settings
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
     if device in ("auto", "cuda"):
         if torch.cuda.is_available():
             count = torch.cuda.device_count()
-            if count == 1 and env.local_world_size > 1 and env.launcher == "slurm":
-                return torch.device("cuda", 0)  # SLURM bound one GPU to each task (--gpu-bind=single:1)
+            if count == 1 and env.local_world_size > 1 and env.scheduler_binds_gpus:
+                return torch.device("cuda", 0)  # the scheduler bound one GPU to each task (--gpu-bind=single:1)
             if env.local_rank >= count:
                 raise UserError(
                     f"local rank {env.local_rank} has no GPU: only {count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
@@ -116,16 +116,10 @@ def check_layout(env: DistEnv, device: torch.device, environ=None) -> None:
             raise UserError(f"master host {env.master_addr!r} ({env.launcher}) does not resolve from {socket.gethostname()}",
                             "set MASTER_ADDR to a name or address every node can resolve",
                             rank=env.rank if env.local_rank == 0 else None) from None
-    if device.type != "cuda" or env.launcher != "slurm":
+    if device.type != "cuda":
         return
-    visible = torch.cuda.device_count()
-    if env.gpus_on_node is not None and env.gpus_on_node != visible and env.local_rank == 0:
-        print(f"ddp_kit: warning: [node {env.node_rank}] SLURM allocated {env.gpus_on_node} GPU(s) but {visible} are visible "
-              f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')})", file=sys.stderr, flush=True)
-    if env.local_world_size != visible and visible != 1:
-        raise UserError(f"{env.local_world_size} task(s) on node {env.node_rank} but {visible} GPU(s) visible: the srun "
-                        f"layout needs one task per GPU", f"use --ntasks-per-node={visible} (equal to --gpus-per-node)",
-                        rank=env.rank if env.local_rank == 0 else None)
+    for warning in check_gpus(env, torch.cuda.device_count(), environ):  # the launcher's own layout rules
+        print(f"ddp_kit: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def choose_backend(device: torch.device, backend: str = "auto", shared_gpu: bool = False) -> str:
@@ -151,9 +145,8 @@ def client_store(env: DistEnv, timeout_s: float) -> tdist.Store | None:
 
 
 def hosts_store(env: DistEnv) -> bool:
-    """True for the process whose exit takes the store down: rank 0, unless torchrun's agent hosts it."""
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.launcher == "torchrun"
-    return env.world_size > 1 and env.rank == 0 and not agent_store
+    """True for the process whose exit takes the store down: rank 0, unless the launcher's agent hosts it."""
+    return env.world_size > 1 and env.rank == 0 and not env.agent_store
 
 
 def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
@@ -181,17 +174,21 @@ def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
 @contextmanager
 def distributed(env: DistEnv | None = None, backend: str = "auto", device: str = "auto",
                 timeout_s: float = 600.0, dump_dir: str | None = None,
-                side_group: bool | None = None) -> Iterator[DistContext]:
+                side_group: bool | None = None, fail_fast: bool = False) -> Iterator[DistContext]:
     """Set up this process's place in the job; tear it down on the way out, whatever happens.
 
     `dump_dir`: where NCCL's flight recorder writes its trace when a collective times out.
     `side_group`: run ddp_kit's control collectives on a CPU gloo group of their own (None: exactly
     when the default group is NCCL, where a control collective would otherwise cost device syncs).
+    `fail_fast`: end this process (exit code 1, after one line naming the rank at fault) as soon as
+    another rank posts a failure in the rendezvous store, and post this rank's own rendezvous failure
+    there; a thread polls the store from before the rendezvous until teardown (reliability/failfast.py).
+    Off by default, since it may end the caller's process from a thread: `ddp_kit.init` turns it on.
     """
     env = detect() if env is None else env
     dev = choose_device(env, device)
-    # SLURM's per-task binding shows each task only its own GPU: cuda:0 is then not shared
-    own_gpu = env.launcher == "slurm" and dev.type == "cuda" and torch.cuda.device_count() == 1
+    # A scheduler's per-task binding shows each task only its own GPU: cuda:0 is then not shared
+    own_gpu = env.scheduler_binds_gpus and dev.type == "cuda" and torch.cuda.device_count() == 1
     be = choose_backend(dev, backend, shared_gpu=device.startswith("cuda:") and env.local_world_size > 1 and not own_gpu)
     check_layout(env, dev)
     if be == "nccl":
@@ -208,8 +205,9 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     store = failfast = None
     try:
         store = _make_store(env, timeout)
-        failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
-                            linger_s=LINGER_S if hosts_store(env) else 0.0).start()
+        if fail_fast:
+            failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
+                                linger_s=LINGER_S if hosts_store(env) else 0.0).start()
         kwargs: dict[str, Any] = {}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
@@ -225,10 +223,11 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
             rank=env.rank)
         if failfast:
             failfast.quiet()
-        post(store, env.rank, 0, "startup", err)
-        err.posted = True  # the CLI need not announce it again
-        if hosts_store(env):
-            time.sleep(LINGER_S)  # keep the store up until the others have read why
+        if fail_fast:  # the others' fail-fast threads read why, and stop
+            post(store, env.rank, 0, "startup", err)
+            err.posted = True  # the CLI need not announce it again
+            if hosts_store(env):
+                time.sleep(LINGER_S)  # keep the store up until the others have read why
         raise err from exc
     finally:
         deadline.cancel()
@@ -239,7 +238,8 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         yield ctx
         failed = False
     finally:
-        failfast.stop()
+        if failfast:
+            failfast.stop()
         teardown(abort=(failed or ctx.failing.is_set()) and be == "nccl")
 
 

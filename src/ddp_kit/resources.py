@@ -28,9 +28,9 @@ TRIM_THRESHOLD = 64 << 20
 
 
 def _set_by_launcher_only(environ: Mapping[str, str], env: DistEnv) -> bool:
-    """True when OMP_NUM_THREADS=1 came from torchrun's default rather than from the user: torchrun
+    """True when OMP_NUM_THREADS=1 came from the launcher's default rather than from the user: torchrun
     sets it in its own process after start, so its initial environment (/proc/PPID/environ) lacks it."""
-    if env.launcher != "torchrun" or environ.get("OMP_NUM_THREADS") != "1":
+    if not env.sets_omp_threads or environ.get("OMP_NUM_THREADS") != "1":
         return False
     try:
         with open(f"/proc/{os.getppid()}/environ", "rb") as f:

@@ -1,3 +1,3 @@
-"""Kept import path: `ddp_kit.tasks` moved to `ddp_kit.train.workload`."""
-from .train.workload import *  # noqa: F401,F403
-from .train.workload import LOSSES  # noqa: F401  (the name the README documents)
+"""Kept import path: `ddp_kit.tasks.LOSSES`, the name the README documents, is `ddp_kit.losses.LOSSES`.
+What else lived here is the reference job's (ddp_kit.train.workload); the library never imports it."""
+from .losses import LOSSES, cross_entropy  # noqa: F401

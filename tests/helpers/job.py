@@ -12,7 +12,7 @@ import torch
 
 from ddp_kit.train.config import resolve
 from ddp_kit.env import detect
-from ddp_kit import train as train_mod
+from ddp_kit.train import command as train_mod
 
 
 def main(out_dir: str, **flags):

@@ -13,6 +13,7 @@ saved   (2 ranks) ranks train on very different data (their BatchNorm statistics
 save    (2 ranks) the script saves model.state_dict() of the wrapped model itself, on every rank, twice:
         one warning, printed once.
 stall   (2 ranks) rank 0 sleeps inside main_only() past hang_timeout_s: the hang report names it.
+local+save  (2 ranks) local's, then save's, in one launch (one run per process; each test reads its own lines).
 """
 import sys
 import time
@@ -53,7 +54,15 @@ def timed(what, fn):
     return out
 
 
-if mode == "local":
+def save_wrapped(run, out):
+    """save: the wrapped model's state_dict saved by the script itself, on every rank, twice."""
+    model = run.prepare(bn_model())
+    for _ in range(2):
+        torch.save(model.state_dict(), f"{out}/rank{run.rank}.pt")
+    run.print(f"keys: {sorted(model.state_dict())[:1]}")
+
+
+if mode in ("local", "local+save"):  # local+save: both in one launch (one run per process)
     run = ddp_kit.init(timeout_s=60, hang_timeout_s=30)
     model = run.prepare(bn_model())
     train_one_step(run, model)
@@ -75,6 +84,8 @@ if mode == "local":
     run.barrier()
     whole = run.full_state_dict(sharded)  # outside the block, on every rank: it works
     print(f"rank {run.rank}: full_state_dict outside main_only has {len(whole)} entries", flush=True)
+    if mode == "local+save":
+        save_wrapped(run, sys.argv[2])
     run.close()
 elif mode == "empty":
     run = ddp_kit.init(timeout_s=60, hang_timeout_s=30)
@@ -116,10 +127,7 @@ elif mode == "saved":
     run.close()
 elif mode == "save":
     run = ddp_kit.init(timeout_s=60)
-    model = run.prepare(bn_model())
-    for _ in range(2):
-        torch.save(model.state_dict(), f"{sys.argv[2]}/rank{run.rank}.pt")
-    run.print(f"keys: {sorted(model.state_dict())[:1]}")
+    save_wrapped(run, sys.argv[2])
     run.close()
 elif mode == "stall":
     run = ddp_kit.init(run_dir=sys.argv[2], timeout_s=60, hang_timeout_s=6, peer_timeout_s=0)

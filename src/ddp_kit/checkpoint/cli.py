@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
 
-from .layout import list_checkpoints, validate
+from . import layout
+from .folder import list_checkpoints, read_meta, validate
 from ..errors import EXIT_USER_ERROR, UserError
 from ..reliability.run_dir import RunDir
 
@@ -57,21 +57,21 @@ def _step(step) -> int | str | None:
         return step
     if isinstance(step, float) and step.is_integer():  # fire reads --step 1e3 as 1000.0
         return int(step)
-    if isinstance(step, str) and step.startswith("step_") and step[5:].isdigit():  # the folder's name, as `list` shows
-        return int(step[5:])
+    if isinstance(step, str) and layout.step_of(step) is not None:  # the folder's name, as `list` shows
+        return layout.step_of(step)
     raise UserError(f"--step expects a step number, step_N or 'latest'; got {step!r}", f"e.g. --step latest; {LIST_HINT}")
 
 
 def _latest(root: Path) -> Path:
     """The checkpoint `root/latest` names; the save protocol writes that file last."""
-    f = root / "latest"
+    f = root / layout.LATEST
     try:
         name = f.read_text().strip()
     except FileNotFoundError:
         raise UserError(f"--step latest: there is no 'latest' file under {str(root)!r}", f"pass a step number; {LIST_HINT}") from None
     except OSError as exc:
         raise UserError(f"--step latest: cannot read {str(f)!r} ({exc.strerror or exc})", f"pass a step number; {LIST_HINT}") from None
-    if not (name.startswith("step_") and name[5:].isdigit()):
+    if layout.step_of(name) is None:
         raise UserError(f"--step latest: {str(f)!r} does not name a checkpoint (it holds {name[:40]!r})",
                         f"pass a step number; {LIST_HINT}")
     if not (root / name).is_dir():
@@ -85,11 +85,11 @@ def list_(run_dir: str) -> None:
     rows = list_checkpoints(root)
     if not rows:
         raise UserError(f"no checkpoints under {str(root)!r}", "pass the run_dir of a run that saved some")
-    latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
+    latest = (root / layout.LATEST).read_text().strip() if (root / layout.LATEST).exists() else None
     print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  path")
     for step, path, reason in rows:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        world = json.loads((path / "meta.json").read_text()).get("world_size", "?") if reason is None else "?"
+        world = read_meta(path).get("world_size", "?") if reason is None else "?"
         mark = " (latest)" if path.name == latest else ""
         print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world:>5}  {size:>10}  {path}{mark}"
               + (f"  -- {reason}" if reason else ""))
@@ -104,7 +104,7 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     step = _step(step)
     import torch
 
-    if (root / "manifest.json").exists() or (root / "model.pt").exists():
+    if (root / layout.MANIFEST).exists() or (root / layout.MODEL).exists():  # RUN_DIR is a step folder
         path = root
     elif step == "latest":
         path = _latest(_root(run_dir))
@@ -149,25 +149,25 @@ def _read_object(path: Path, name: str) -> dict:
     second replicated model) from train_state.pt."""
     import torch
 
-    if name == "model" and (path / "model.pt").exists():
-        return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    if name == "model" and (path / layout.MODEL).exists():
+        return torch.load(path / layout.MODEL, map_location="cpu", weights_only=True)
     sharded = _dcp_names(path)
     if name in sharded:
         return _consolidate(path, name)
-    shared = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+    shared = torch.load(path / layout.TRAIN_STATE, map_location="cpu", weights_only=True)
     if name in shared:
         return shared[name]
-    held = sorted(set(sharded) | set(shared) | ({"model"} if (path / "model.pt").exists() else set()))
+    held = sorted(set(sharded) | set(shared) | ({"model"} if (path / layout.MODEL).exists() else set()))
     raise UserError(f"checkpoint {str(path)!r} holds no {name!r} (it holds: {', '.join(held)})",
                     f"pass --name with one of those; {LIST_HINT}")
 
 
 def _dcp_names(path: Path) -> list[str]:
-    if not (path / "dcp").is_dir():
+    if not (path / layout.DCP).is_dir():
         return []
     from .safe_load import read_dcp_metadata
 
-    return sorted({k.split(".", 1)[0] for k in read_dcp_metadata(path / "dcp").state_dict_metadata})
+    return sorted({k.split(".", 1)[0] for k in read_dcp_metadata(path / layout.DCP).state_dict_metadata})
 
 
 def _consolidate(path: Path, name: str = "model") -> dict:
@@ -181,7 +181,7 @@ def _consolidate(path: Path, name: str = "model") -> dict:
 
     from .safe_load import reader as safe_reader
 
-    reader = safe_reader(path / "dcp")
+    reader = safe_reader(path / layout.DCP)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore")
         return _load_state_dict_from_keys(keys={name}, storage_reader=reader)[name]

@@ -1,6 +1,8 @@
-"""Durable file writes: fsync'd writes that checksum as they go, atomic replacement, directory fsync."""
+"""Durable file writes: fsync'd writes that checksum as they go, atomic replacement, directory fsync,
+checksums of written files, and telling a full disk from other write errors."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -81,3 +83,27 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def file_digest(path: Path) -> dict:
+    """{size, sha256} of a file already on disk, as a manifest records it."""
+    return {"size": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain: torch.save's zip writer re-raises a write error as a
+    RuntimeError ("unexpected pos ...") with the OSError as its context."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False

@@ -1,125 +1,95 @@
-"""What a checkpoints folder holds, read without a process group: which step folders are valid
-(manifest and checksums), which one `latest` names, which one a run resumes from, and moving an
-abandoned run's steps aside. Used by the job, `python -m ddp_kit.checkpoint` and the report."""
+"""Every name under a run's checkpoint area, and nothing else: no reads, no writes.
+
+    <root>/step_<N>/             one committed step (STEP_PREFIX + N)
+        manifest.json            written last: every file's size and sha256; the step counts only with it
+        meta.json                step, world size, strategy, config and its hash, versions
+        model.pt                 the unwrapped model's state_dict (exportable as is), when one is "model"
+        train_state.pt           optimizer, scheduler, scaler, loop and data position
+        rank<R>.pt               rank R's own small state (RNG)
+        dcp/                     strategy fsdp: torch.distributed.checkpoint's shards (__<R>_<i>.distcp)
+        dcp/.metadata            ... and DCP's index of them (rank 0)
+    <root>/latest                the name of the newest committed step folder
+    <root>/.latest.tmp           `latest` being replaced
+    <root>/.tmp_step_<N>/        a save in progress (renamed to step_<N> at its commit)
+    <root>/.trash_step_<N>/      a step being deleted (pruned or replaced)
+    <archive>/<YYYYmmddTHHMMSS>/ the steps of an abandoned run, moved aside whole
+
+Every module that reads or writes these (the backends, the CLI, safe loading) spells them through
+this one. The names on disk never change: checkpoints written by any earlier ddp_kit still load.
+A backend without folders (an object store) uses the same names as key prefixes.
+"""
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
-from pathlib import Path
-from typing import Callable
 
-from .durable import fsync_dir
-from ..errors import UserError
-
+STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
+META = "meta.json"
+MODEL = "model.pt"
+TRAIN_STATE = "train_state.pt"
+DCP = "dcp"
+DCP_METADATA = ".metadata"
+LATEST = "latest"
+LATEST_TMP = ".latest.tmp"
+TMP_PREFIX = ".tmp_"
+TRASH_PREFIX = ".trash_"
+TORCH_FILES = "*.pt"  # every file of a step folder that torch.load reads (safe_load checks each)
+ARCHIVE_STAMP = "%Y%m%dT%H%M%S"
 
 
-def step_numbers(root: Path) -> list[int]:
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-            out.append(int(p.name[5:]))
-    return out
+def step_name(step: int) -> str:
+    """The folder (or key prefix) of step `step`: step_<N>."""
+    return f"{STEP_PREFIX}{step}"
 
 
-def validate(path: Path) -> str | None:
-    """None when `path` is a complete checkpoint; otherwise the reason it is not, in a few words."""
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        return "no manifest (save did not finish)"
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError):
-        return "unreadable manifest"
-    for name, want in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} is truncated ({f.stat().st_size} of {want['size']} bytes)"
-        sha = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                sha.update(chunk)
-        if sha.hexdigest() != want["sha256"]:
-            return f"{name} is corrupt (checksum mismatch)"
-    from .safe_load import check_folder  # torch only here: listing a folder of bad steps stays light
-
-    return check_folder(path)  # a manifest proves nothing against whoever could also rewrite it
+def step_of(name: str) -> int | None:
+    """The step a folder name stands for (step_<N> -> N); None for any other name."""
+    digits = name[len(STEP_PREFIX):] if name.startswith(STEP_PREFIX) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path, str | None]]:
-    """(step, path, reason-if-invalid) for every step folder, newest first."""
-    return [(s, root / f"step_{s}", validate(root / f"step_{s}")) for s in sorted(step_numbers(root), reverse=True)]
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
 
 
-def read_latest(root: Path) -> int | None:
-    """The step `latest` names, or None when there is no (readable) `latest`."""
-    try:
-        name = (root / "latest").read_text().strip()
-    except OSError:
-        return None
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+def tmp_name(step: int) -> str:
+    """Where step `step` is written before its commit."""
+    return TMP_PREFIX + step_name(step)
 
 
-def choose(root: Path, resume: str, warn: Callable[[str], None]) -> tuple[str, int] | None:
-    """resume=auto: the checkpoint `latest` names, once validated. Only when it is damaged, the newest
-    valid one below it. Steps above `latest` belong to a run that was abandoned (`--resume never`, or
-    a resume from an older checkpoint) and are never chosen."""
-    if resume == "never":
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        if not path.exists():
-            raise UserError(f"checkpoint {str(path)!r} does not exist",
-                            "pick one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use resume auto")
-        reason = validate(path)
-        if reason:
-            raise UserError(f"checkpoint {str(path)!r} cannot be resumed: {reason}",
-                            "pick a valid one from `python -m ddp_kit.checkpoint list RUN_DIR`, or use resume auto")
-        meta = json.loads((path / "meta.json").read_text())
-        return str(path), int(meta["step"])
-    latest = read_latest(root)
-    for step, path, reason in list_checkpoints(root):
-        if latest is not None and step > latest:
-            continue
-        if reason is None:
-            return str(path), step
-        warn(f"checkpoint {path.name} is not usable ({reason}); falling back to an older one")
-    return None
+def trash_name(step: int) -> str:
+    """Where a step folder goes to be deleted (renamed first: the deletion may take its time)."""
+    return TRASH_PREFIX + step_name(step)
 
 
-def archive_abandoned(root: Path, keep_upto: int | None, archive_root: Path) -> list[int]:
-    """Move every step above `keep_upto` (all of them when None: a fresh start, or a resume from
-    another folder) out of `root`, into `archive_root/<time>/`, with `latest` naming `keep_upto`
-    (or removed) before anything moves, so that a crash half-way never resumes the abandoned run.
-    Nothing is deleted: a wrong `--resume never` is undone by moving the folders back."""
-    moved = sorted(s for s in step_numbers(root) if keep_upto is None or s > keep_upto)
-    if keep_upto is None:
-        (root / "latest").unlink(missing_ok=True)
-    elif read_latest(root) != keep_upto:
-        point_latest(root, f"step_{keep_upto}")
-    if moved:
-        dest = archive_root / time.strftime("%Y%m%dT%H%M%S")
-        dest.mkdir(parents=True, exist_ok=True)
-        for s in moved:
-            os.replace(root / f"step_{s}", dest / f"step_{s}")
-        fsync_dir(root)
-    return moved
+# Leftovers of a process that exited mid-save or mid-delete: removed by the next prune.
+LEFTOVERS = (TRASH_PREFIX + "*", TMP_PREFIX + STEP_PREFIX + "*")
 
 
-def point_latest(root: Path, name: str) -> None:
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, root / "latest")
-    fsync_dir(root)
+def dcp_file(name: str) -> str:
+    """A DCP file's name in the manifest, relative to the step folder: dcp/<name>."""
+    return f"{DCP}/{name}"
 
 
-def latest_name(root: Path) -> str:
-    step = read_latest(root)
-    return f"step_{step}" if step is not None else "none yet"
+def dcp_shards(rank: int) -> str:
+    """The glob of rank `rank`'s shard files in dcp/ (DCP's own naming: __<rank>_<i>.distcp)."""
+    return f"__{rank}_*.distcp"
+
+
+def archive_stamp(when: float | None = None) -> str:
+    """The name of one archive folder: the local time it was made."""
+    return time.strftime(ARCHIVE_STAMP, time.localtime(when))
+
+
+# Before the split of names from folder reading (the step boundary still imports archive_abandoned
+# from here): the folder functions, now in .folder, answered lazily (folder imports this module).
+_MOVED = {"step_numbers", "validate", "list_checkpoints", "read_latest", "choose", "archive_abandoned",
+          "point_latest", "latest_name"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        from . import folder
+
+        return getattr(folder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ therefore unpickled with an allow-list:
 - DCP's byte items (an optimizer's param_groups, a module's extra state), which torch's planners
   load with `weights_only=False`, are first checked with `weights_only=True`.
 
-`check_folder` runs all of these over a step folder for `ckpt_folder.validate`, so a forged
+`check_folder` runs all of these over a step folder for `folder.validate`, so a forged
 checkpoint is one more invalid checkpoint: named in one line, and resume falls back past it.
 """
 from __future__ import annotations
@@ -20,6 +20,8 @@ import io
 import pickle
 from pathlib import Path
 from typing import Any
+
+from . import layout
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED = {
@@ -64,7 +66,7 @@ def read_dcp_metadata(folder: str | Path) -> Any:
     """DCP's Metadata of `folder` (a dcp/ folder), unpickled with the allow-list; every storage item
     must name a file of the folder itself and lie inside it (a forged one could name /dev/zero)."""
     folder = Path(folder)
-    with open(folder / ".metadata", "rb") as fh:
+    with open(folder / layout.DCP_METADATA, "rb") as fh:
         try:
             meta = _MetadataUnpickler(fh).load()
         except ForgedCheckpoint:
@@ -137,14 +139,14 @@ def check_folder(path: Path) -> str | None:
     """None when every pickle in step folder `path` is plain data; else why not, in a few words."""
     import torch
 
-    for f in sorted(path.glob("*.pt")):
+    for f in sorted(path.glob(layout.TORCH_FILES)):
         try:
             # mmap: the storages are not read, only the pickle that names them is checked
             torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             return f"{f.name} is not plain checkpoint data ({_first_line(exc)})"
-    folder = path / "dcp"
-    if not (folder / ".metadata").is_file():
+    folder = path / layout.DCP
+    if not (folder / layout.DCP_METADATA).is_file():
         return None
     try:
         meta = read_dcp_metadata(folder)

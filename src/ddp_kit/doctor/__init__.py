@@ -4,6 +4,8 @@ facts.py gathers, checks.py judges (pure functions), active.py measures (--comm,
 """
 from __future__ import annotations
 
+__all__ = ["describe_oom", "findings_for_error", "is_cuda_error", "oom_report"]
+
 
 def findings_for_error(err: BaseException, amp: str | None = None) -> list[str]:
     """One line per failing or warning diagnosis, to print beside a CUDA/NCCL/OOM error in training."""

@@ -100,7 +100,9 @@ def _active(comm: bool, memory: bool, comm_max_mb: float | None) -> dict:
 
     out: dict = {"findings": []}
     try:
-        with distributed(timeout_s=120) as ctx:
+        # fail_fast: a rank that cannot join says why in the store and the others stop at once with
+        # that line, instead of each waiting out the timeout and reporting only "did not complete".
+        with distributed(timeout_s=120, fail_fast=True) as ctx:
             if comm:
                 res = comm_sweep(ctx, comm_max_mb)
                 out["comm"] = res

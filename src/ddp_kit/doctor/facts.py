@@ -125,7 +125,7 @@ def layout(environ) -> dict[str, Any]:
         env = detect(environ)
         return {"launcher": env.launcher, "rank": env.rank, "local_rank": env.local_rank, "world_size": env.world_size,
                 "local_world_size": env.local_world_size, "master_addr": env.master_addr, "master_port": env.master_port,
-                "error": None}
+                "rendezvous_by_launcher": env.rendezvous_by_launcher, "error": None}
     except UserError as err:
         return {"error": err.line()}
 
@@ -177,6 +177,11 @@ def gather(run_dir: str = ".", environ=None, probe_gpus: bool = True) -> dict[st
     except OSError:
         pass
     lay = layout(environ)
+    # A launcher that met its peers before starting us (torchrun's agent) holds the master port by
+    # design: probing it would report "in use" for a healthy job.
+    master = ({"addr": environ.get("MASTER_ADDR"), "skipped": f"running under {lay['launcher']}"}
+              if lay.get("rendezvous_by_launcher") else
+              master_reachability(environ.get("MASTER_ADDR"), _int_or_none(environ.get("MASTER_PORT"))))
     return {
         "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
         "python": sys.version.split()[0],
@@ -185,8 +190,7 @@ def gather(run_dir: str = ".", environ=None, probe_gpus: bool = True) -> dict[st
         "nvidia_device_files": sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*")),
         "env": {k: v for k, v in environ.items() if k in ENV_KEYS or k.startswith(ENV_PREFIXES)},
         "layout": lay,
-        "master": master_reachability(environ.get("MASTER_ADDR"), _int_or_none(environ.get("MASTER_PORT")))
-        if lay.get("launcher") not in ("torchrun",) else {"addr": environ.get("MASTER_ADDR"), "skipped": "running under torchrun"},
+        "master": master,
         "shm_bytes": shm,
         "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         "disk_free_bytes": disk,

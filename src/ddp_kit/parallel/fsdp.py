@@ -10,22 +10,89 @@ weights plus 1/N of the rest. The default policy:
 
 Override it with a callable `blocks(module) -> bool` or a list of class names ("Block").
 
-Everything else that differs from DDP lives here too: the sharded state dicts of models and
+Everything else that differs from DDP lives here too: the option rules (FSDPStrategy), the sharded state dicts of models and
 their optimizers (torch.distributed.checkpoint's get/set_state_dict), and the local byte counts
 behind the per-rank memory report. Library code: plain arguments, no config.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from ..errors import UserError
+from .strategy import Strategy, others, strategy
 
-STRATEGIES = ("ddp", "fsdp")
 FSDP_OPTIONS = ("blocks", "cpu_offload", "reshard_after_forward")  # shard()'s keyword options
+
+
+@dataclass(frozen=True)
+class FSDPStrategy(Strategy):
+    def check_options(self, *, sync_bn: bool, amp: str | None = None, cpu_offload: bool = False,
+                      device: torch.device | None = None, ddp: dict | None = None) -> None:
+        if sync_bn:
+            raise UserError("sync_bn does not combine with strategy fsdp (SyncBatchNorm is a DDP-era layer; FSDP leaves "
+                            "BatchNorm per rank)", "drop sync_bn, or use strategy ddp")
+        if amp == "fp16":
+            raise UserError("amp=fp16 does not combine with strategy fsdp here (its GradScaler does not handle sharded "
+                            "gradients)", "use amp bf16 (FSDP's MixedPrecisionPolicy), or strategy ddp")
+        if cpu_offload and device is not None and device.type != "cuda":
+            raise UserError("fsdp cpu_offload moves parameters and optimizer state from the GPU to host memory; this run "
+                            "is on cpu, where they already are", "drop cpu_offload on CPU")
+        set_ddp = {k for k, v in (ddp or {}).items() if v not in (None, False)}  # DDP options given a value
+        if set_ddp:
+            raise UserError(f"DDP options {sorted(set_ddp)} do not apply to strategy fsdp",
+                            "drop them, or use strategy ddp")
+
+    def check_config(self, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+        ddp_keys = [k for other in others(self.name) for k in other.config_keys]
+        ddp_only = [f"--{k} {values[k]}" for k in ddp_keys if values[k] != defaults[k]]
+        if ddp_only:
+            raise UserError(f"{', '.join(ddp_only)} {'is a DDP option' if len(ddp_only) == 1 else 'are DDP options'} and "
+                            f"do{'es' if len(ddp_only) == 1 else ''} not combine with --strategy fsdp",
+                            "drop it, or use --strategy ddp")
+        if values["amp"] == "fp16":
+            raise UserError("--amp fp16 does not combine with --strategy fsdp (its GradScaler does not handle sharded "
+                            "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
+
+    def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        blocks = [b.strip() for b in values["fsdp_blocks"].split(",") if b.strip()] or None
+        return {"fsdp": {"blocks": blocks, "cpu_offload": values["fsdp_cpu_offload"],
+                         "reshard_after_forward": values["fsdp_reshard_after_forward"]}}
+
+    def wrap(self, model: nn.Module, ctx: Any, *, amp: str = "off", fsdp: dict[str, Any] | None = None,
+             **_: Any) -> nn.Module:
+        # Not moved whole: fully_shard moves one unit at a time to the device and keeps only its
+        # shard there (or in host memory under cpu_offload), so the whole model never has to fit on
+        # one GPU. Sharded at world 1 too (a mesh of one): the debug run takes the code path of N
+        # ranks, and cpu_offload lets one GPU train a model whose state does not fit on it.
+        fsdp = dict(fsdp or {})
+        unknown = sorted(set(fsdp) - set(FSDP_OPTIONS))
+        if unknown:
+            raise UserError(f"fsdp options {unknown} not understood", f"known: {', '.join(FSDP_OPTIONS)}")
+        return shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
+
+    def holds(self, model: nn.Module) -> bool:
+        return is_sharded(model)
+
+    def accumulate(self, model: nn.Module, sync: bool):
+        while hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+            model = model._orig_mod
+        return accumulate(model, sync)
+
+    def state_dicts(self, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+        return state_dicts(models, optimizers)
+
+    def load_state_dicts(self, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer],
+                         saved: set[str], read: Callable[[dict], None]) -> None:
+        load_state_dicts(models, optimizers, saved, read)
+
+
+STRATEGY = FSDPStrategy(name="fsdp", label="FSDP", sharded=True, options=FSDP_OPTIONS,
+                        config_keys=("fsdp_blocks", "fsdp_cpu_offload", "fsdp_reshard_after_forward"))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -36,28 +103,10 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def check_strategy(strategy: str, *, sync_bn: bool, amp: str | None = None, cpu_offload: bool = False,
+def check_strategy(name: str, *, sync_bn: bool, amp: str | None = None, cpu_offload: bool = False,
                    device: torch.device | None = None, ddp: dict | None = None) -> None:
-    """One line and a hint for what does not combine with the strategy, before anything is built."""
-    if strategy not in STRATEGIES:
-        raise UserError(f"unknown strategy {strategy!r}", f"choose one of {', '.join(STRATEGIES)}")
-    if strategy != "fsdp":
-        if cpu_offload:
-            raise UserError("cpu_offload is an FSDP option; this run's strategy is ddp", "use strategy fsdp, or drop cpu_offload")
-        return
-    if sync_bn:
-        raise UserError("sync_bn does not combine with strategy fsdp (SyncBatchNorm is a DDP-era layer; FSDP leaves "
-                        "BatchNorm per rank)", "drop sync_bn, or use strategy ddp")
-    if amp == "fp16":
-        raise UserError("amp=fp16 does not combine with strategy fsdp here (its GradScaler does not handle sharded "
-                        "gradients)", "use amp bf16 (FSDP's MixedPrecisionPolicy), or strategy ddp")
-    if cpu_offload and device is not None and device.type != "cuda":
-        raise UserError("fsdp cpu_offload moves parameters and optimizer state from the GPU to host memory; this run "
-                        "is on cpu, where they already are", "drop cpu_offload on CPU")
-    set_ddp = {k for k, v in (ddp or {}).items() if v not in (None, False)}  # DDP options given a value
-    if set_ddp:
-        raise UserError(f"DDP options {sorted(set_ddp)} do not apply to strategy fsdp",
-                        "drop them, or use strategy ddp")
+    """One line and a hint for what does not combine with the strategy `name`, before anything is built."""
+    strategy(name).check_options(sync_bn=sync_bn, amp=amp, cpu_offload=cpu_offload, device=device, ddp=ddp)
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:

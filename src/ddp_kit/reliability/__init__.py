@@ -1,2 +1,21 @@
 """The step boundary and what it schedules: checkpoints, preemption, fail-fast, the watchdog, peer
 loss, sync checks, numerics, metrics and the run folder."""
+
+# The public names, each imported from its module on first use: dist.py imports failfast and
+# watchdog, so importing those modules here would cycle (and load torch for a config check).
+_PUBLIC = {
+    "announce": "failfast",  # a rank that fails before the process group exists tells the others
+    "param_sha256": "sync_checks",
+    "NOT_RECIPE": "recipe", "RESUMABLE": "recipe", "config_hash": "recipe", "describe_changes": "recipe",
+    "recipe_changes": "recipe", "refuse_changed": "recipe",
+    "model_flops_per_sample": "metrics", "peak_tflops": "metrics",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,9 @@ Plain data and functions: the library compares a checkpoint's config with this r
 a checkpoint overrides are named (`hyperparameters`, `overridden`)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import hashlib
+import json
+from typing import Any, Iterable, Mapping
 
 from ..errors import UserError
 
@@ -97,3 +99,10 @@ def overridden(scripted: Mapping[str, dict], restored: Mapping[str, dict]) -> li
     return [f"{name} {key} {mine} in the script, {theirs} restored"
             for name, keys in scripted.items() for key, mine in keys.items()
             if (theirs := restored.get(name, {}).get(key, mine)) != mine]
+
+
+def config_hash(config: Mapping[str, Any], leave_out: Iterable[str] = ()) -> str:
+    """A short, stable hash of a config dict (less the keys `leave_out`): meta.json, summary.json and
+    the startup agreement carry it. Key order does not matter; a value JSON cannot hold hashes as its str()."""
+    kept = {k: v for k, v in config.items() if k not in frozenset(leave_out)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]

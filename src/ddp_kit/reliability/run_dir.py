@@ -1,7 +1,7 @@
 """The run folder: its layout, and the checks that make it safe to use before any work starts.
 
     run_dir/config.yaml, metrics.jsonl, summary.json   rank 0
-    run_dir/checkpoints/                              checkpoint.py
+    run_dir/checkpoints/                              the "file" checkpoint backend (names: checkpoint/layout.py)
     run_dir/hang/                                     stacks and traces of a hang or crash
     run_dir/archive/<time>/                           what a fresh start (`--resume never`) moved aside
     run_dir/.lock                                     held (flock) by rank 0 of the job using the folder

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import UserError
-from ..parallel.wrap import unwrap
+from ..parallel.ddp import unwrap
 
 
 def _stateful(obj: Any) -> bool:
@@ -24,6 +24,11 @@ class TrainState:
 
     def __init__(self):
         self.objects: dict[str, Any] = {}
+        self._own: dict[str, Any] = {}  # what is saved and loaded: a model unwrapped (once, when added)
+
+    def clear(self) -> None:
+        self.objects.clear()
+        self._own.clear()
 
     def __bool__(self) -> bool:
         return bool(self.objects)
@@ -38,6 +43,7 @@ class TrainState:
             raise UserError(f"two different objects registered for checkpointing under the name {name!r}",
                             "give each its own keyword in run.resume(...)")
         self.objects[name] = obj
+        self._own[name] = unwrap(obj) if isinstance(obj, nn.Module) else obj
 
     def next_name(self, base: str) -> str:
         """`base`, or `base_1`, `base_2`, ... if taken: the first model is "model", as in model.pt."""
@@ -50,11 +56,10 @@ class TrainState:
     def holds(self, obj: Any) -> bool:
         """`obj` is registered; a model counts as registered when its DDP wrapper is (and back)."""
         target = unwrap(obj) if isinstance(obj, nn.Module) else obj
-        return any((unwrap(o) if isinstance(o, nn.Module) else o) is target for o in self.objects.values())
+        return any(o is target for o in self._own.values())
 
     def state_dict(self, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-        return {name: (unwrap(o) if isinstance(o, nn.Module) else o).state_dict() for name, o in self.objects.items()
-                if name not in skip}
+        return {name: o.state_dict() for name, o in self._own.items() if name not in skip}
 
     def load_state_dict(self, shared: dict[str, Any], source: str, skip: frozenset[str] = frozenset()) -> list[str]:
         """Restore every registered object (but `skip`) from `shared`; returns notes (e.g. a data
@@ -69,7 +74,7 @@ class TrainState:
         for name, obj in self.objects.items():
             if name in skip:
                 continue
-            target = unwrap(obj) if isinstance(obj, nn.Module) else obj
+            target = self._own[name]
             try:
                 note = target.load_state_dict(shared[name])
             except (RuntimeError, ValueError, KeyError, TypeError) as exc:

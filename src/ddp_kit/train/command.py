@@ -1,10 +1,11 @@
-"""The reference training job: `python -m ddp_kit.train [CONFIG.yaml] [--key value ...]`.
+"""The reference job's command: `python -m ddp_kit.train [CONFIG.yaml] [--key value ...]`.
 
-A client of the public API, as a user's own script would be: `ddp_kit.init()` gives the process
-group, the run folder and the reliability layer; the job builds its parts (job.py), runs its loop
-(loop.py) and writes its summary. The same command runs as one process or under torchrun/srun;
-nothing here branches on it. Every failure goes through the failure policy (failure.py) when the
-`with` block exits, so this file has no error handling of its own beyond the CLI's.
+A client of the public API, as a user's own script would be (it imports only package faces:
+tests/test_layering.py checks): `ddp_kit.init()` gives the process group, the run folder and the
+reliability layer; the reference job builds its parts (job.py), runs its loop (loop.py) and writes
+its summary. The same command runs as one process or under torchrun/srun; nothing here branches
+on it. Every failure goes through the failure policy (reliability/crash.py) when the `with` block
+exits, so this file has no error handling of its own beyond the CLI's.
 """
 from __future__ import annotations
 
@@ -15,19 +16,16 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..api import Run, init
-from .config import TrainConfig, help_text, resolve
-from ..reliability.recipe import refuse_changed
+from ..api import Run, init, init_options
 from ..data import per_rank_batch
 from ..doctor import findings_for_error, oom_report
 from ..env import DistEnv, detect
 from ..errors import EXIT_USER_ERROR, UserError, report_user_error
-from ..reliability.failfast import announce
+from ..reliability import announce, param_sha256, refuse_changed
+from .config import TrainConfig, help_text, resolve
 from .inject import parse as parse_faults
-from ..reliability.boundary import Policy
 from .job import build
 from .loop import train
-from ..reliability.sync_checks import param_sha256
 
 
 def _injected_config(cfg: TrainConfig, rank: int) -> TrainConfig:
@@ -42,8 +40,8 @@ def _injected_config(cfg: TrainConfig, rank: int) -> TrainConfig:
 
 
 def policy(cfg: TrainConfig) -> dict[str, Any]:
-    """The config keys that are the step boundary's options (guard.Policy), by the same names."""
-    names = {f.name for f in dataclasses.fields(Policy)} - {"run_dir", "ckpt_every_s", "ckpt_write_delay_s"}
+    """The config keys that are `ddp_kit.init`'s options (the step boundary's policy), by the same names."""
+    names = set(init_options()) - {"ckpt_every_s", "ckpt_write_delay_s"}
     return {**{n: getattr(cfg, n) for n in names}, "ckpt_every_s": 0.0, "ckpt_write_delay_s": cfg.debug_ckpt_delay_s}
 
 
@@ -57,7 +55,7 @@ def refuse_changed_recipe(cfg: TrainConfig):
 
 
 def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
-    """Run the job described by `cfg` in this process's place in the job; returns the summary.
+    """Run the reference job described by `cfg` as this process's rank; returns the summary.
     A failure ends the process (SystemExit with the failure policy's code)."""
     env = detect() if env is None else env
     per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
@@ -71,7 +69,7 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
 
 def cuda_notes(cfg: TrainConfig, run: Run, err: BaseException) -> list[str]:
     """Printed beside a CUDA error: on OOM what this rank held and what to change; the doctor's findings."""
-    micro = per_rank_batch(cfg.batch_size, run.world_size, cfg.grad_accum)
+    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum)
     oom = isinstance(err, torch.cuda.OutOfMemoryError)
     return (oom_report(run.device, micro, cfg.batch_size, cfg.grad_accum, cfg.amp) if oom else []) + \
         findings_for_error(err, cfg.amp)
@@ -92,7 +90,9 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     digest = param_sha256(run.unwrap(job.model))
     # Under FSDP every rank hashes the same gathered weights: equal by construction, so no exchange
     # and no verdict (null in the summary).
-    sharded = cfg.strategy == "fsdp"
+    from ..parallel import find_strategy as strategy
+
+    sharded = strategy(cfg.strategy).sharded
     differ = [] if sharded else [r for r, d in enumerate(run.gather(digest)) if d != digest]
     if differ:
         raise UserError(f"final parameters differ across ranks: ranks {differ} disagree with this one",

@@ -1,12 +1,11 @@
-"""The training job's config: dataclass defaults < YAML file < command-line flags, strictly checked.
+"""The reference job's config: dataclass defaults < YAML file < command-line flags, strictly checked.
 
-Only `train.py` reads this; library modules take plain arguments. No torch import here, so a
-bad config is refused before torch (1-2 s) is even loaded.
+Only the reference job (command.py) reads this; library modules take plain arguments. No torch
+import here, so a bad config is refused before torch (1-2 s) is even loaded.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import types
 import typing
@@ -17,7 +16,8 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import UserError
-from ..reliability.recipe import NOT_RECIPE, RESUMABLE, describe_changes, recipe_changes  # noqa: F401 (re-exported)
+from ..parallel import STRATEGY_NAMES, find_strategy
+from ..reliability import NOT_RECIPE, RESUMABLE, config_hash, describe_changes, recipe_changes  # noqa: F401 (re-exported)
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
@@ -28,11 +28,11 @@ def _f(default: Any, help: str, choices: tuple | None = None):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = _f("mlp", "Built-in model: mlp (the MNIST example's 784-256-10 MLP, input size from the data), resnet18 (CIFAR stem), tiny, cnn (conv + BatchNorm, small); or pkg.module:function, called as function(**model_args), returning an nn.Module.")
+    model: str = _f("mlp", "A built-in model (listed below) or pkg.module:function, called as function(**model_args), returning an nn.Module.")
     model_args: dict = _f({}, "Keyword arguments of the model function (a mapping in YAML, or JSON on the command line).")
-    dataset: str = _f("digits", "Built-in dataset: digits (scikit-learn's 8x8 digits, bundled), mnist, cifar10 (from data_root), synthetic; or pkg.module:function, called as function(**dataset_args), returning (train_dataset, test_dataset).")
+    dataset: str = _f("digits", "A built-in dataset (listed below) or pkg.module:function, called as function(**dataset_args), returning (train_dataset, test_dataset).")
     dataset_args: dict = _f({}, "Keyword arguments of the dataset function (a mapping in YAML, or JSON on the command line).")
-    loss: str = _f("cross_entropy", "Built-in loss: cross_entropy on (inputs, targets) batches (reports accuracy); or pkg.module:function, called as function(model, batch), returning a scalar loss or (loss, {name: value}) whose values are averaged over ranks in training and eval.")
+    loss: str = _f("cross_entropy", "A built-in loss (listed below) or pkg.module:function, called as function(model, batch), returning a scalar loss or (loss, {name: value}) whose values are averaged over ranks in training and eval.")
     data_root: str = _f("./data", "Folder holding MNIST/CIFAR-10 files (torchvision layout).")
     download: bool = _f(False, "Download MNIST/CIFAR-10 into data_root when missing. Off by default: jobs never touch the network unasked.")
     epochs: int = _f(20, "Passes over the training set.")
@@ -52,7 +52,7 @@ class TrainConfig:
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
     backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
-    strategy: str = _f("ddp", "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints). See README 'Choosing a strategy'.", ("ddp", "fsdp"))
+    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints). See README 'Choosing a strategy'.", STRATEGY_NAMES)
     fsdp_blocks: str = _f("", "fsdp: comma-separated module class names that each become one FSDP unit (e.g. Block). Empty: each child of an nn.ModuleList, else each direct child with parameters.")
     fsdp_cpu_offload: bool = _f(False, "fsdp, CUDA only: keep the sharded parameters, gradients and optimizer state in host memory (the optimizer step runs on the CPU).")
     fsdp_reshard_after_forward: bool = _f(True, "fsdp: free each unit's gathered weights after its forward (gathered again for the backward); false keeps them (more memory, less communication).")
@@ -81,7 +81,7 @@ class TrainConfig:
     rank_metrics: bool = _f(True, "Gather every rank's step-time split, samples/s and peak memory into metrics.jsonl at each log event.")
     rank_records_max: int = _f(64, "Up to this world size each metrics record keeps every rank's entry; above it, the median, max and argmax rank per field.")
     straggler_margin: float = _f(0.2, "Warn when a rank's own work per step exceeds the median rank's by this fraction for 2 log windows (0: off).")
-    inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/faults.py).")
+    inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/train/inject.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,9 +90,7 @@ class TrainConfig:
     def hash(self) -> str:
         """A short, stable hash of the recipe: ranks and checkpoints compare it. Keys that do not
         change the computation (logging, resume mode, test hooks) are left out."""
-        recipe = {k: v for k, v in self.to_dict().items() if k not in NOT_RECIPE}
-        blob = json.dumps(recipe, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return config_hash(self.to_dict(), leave_out=NOT_RECIPE)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -265,29 +263,25 @@ def _validate(cfg: TrainConfig) -> None:
         from .inject import parse
 
         parse(cfg.inject)
-    if cfg.strategy == "fsdp":
-        ddp_only = [f"--{k} {getattr(cfg, k)}" for k in ("static_graph", "bucket_cap_mb", "sync_bn")
-                    if getattr(cfg, k) != FIELDS[k].default]
-        if ddp_only:
-            raise UserError(f"{', '.join(ddp_only)} {'is a DDP option' if len(ddp_only) == 1 else 'are DDP options'} and "
-                            f"do{'es' if len(ddp_only) == 1 else ''} not combine with --strategy fsdp",
-                            "drop it, or use --strategy ddp")
-        if cfg.amp == "fp16":
-            raise UserError("--amp fp16 does not combine with --strategy fsdp (its GradScaler does not handle sharded "
-                            "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
-    else:
-        fsdp_only = [f"--{k}" for k in ("fsdp_blocks", "fsdp_cpu_offload", "fsdp_reshard_after_forward")
-                     if getattr(cfg, k) != FIELDS[k].default]
-        if fsdp_only:
-            raise UserError(f"{' and '.join(fsdp_only)} {'is an FSDP option' if len(fsdp_only) == 1 else 'are FSDP options'}; "
-                            f"this run's strategy is ddp", f"add --strategy fsdp, or drop {'it' if len(fsdp_only) == 1 else 'them'}")
+    # The strategy owns its rules (parallel/ddp.py, parallel/fsdp.py); this imports torch, last.
+    find_strategy(cfg.strategy).check_config({k: getattr(cfg, k) for k in FIELDS}, {k: f.default for k, f in FIELDS.items()})
     if cfg.num_workers < -1:
         raise UserError(f"num_workers must be >= 0, or -1 for automatic; got {cfg.num_workers}", "e.g. --num_workers 2")
 
 
 def help_text() -> str:
     lines = ["Config keys (defaults < YAML file < --flags):"]
+    builtins = _builtins()
     for name, f in FIELDS.items():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  {name:<18} = {default!r:<14} {f.metadata['help']}")
+        lines += [f"{'':<38}{choice:<14} {about}" for choice, about in builtins.get(name, {}).items()]
     return "\n".join(lines)
+
+
+def _builtins() -> dict[str, dict[str, str]]:
+    """The built-in names of model, dataset and loss with their one-line descriptions, from the
+    registries (imported here, not at the top: they load torch, which a config check does without)."""
+    from .. import datasets, losses, models
+
+    return {"model": models.DESCRIPTIONS, "dataset": datasets.DESCRIPTIONS, "loss": losses.DESCRIPTIONS}

@@ -1,4 +1,5 @@
-"""Test hooks: inject a fault at a given rank and step, to prove recovery and diagnosis with real processes.
+"""The reference job's test hooks: inject a fault at a given rank and step, to prove recovery and
+diagnosis with real processes.
 
 Spec (config key `inject`), comma-separated: `KIND:rank=R:step=S[:ms=M]`, e.g. `kill:rank=1:step=8`.
 Kinds: kill (SIGKILL itself), raise, hang (sleep forever), freeze (SIGSTOP itself), extra_collective (one all_reduce the

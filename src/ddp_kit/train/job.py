@@ -1,5 +1,5 @@
 """The reference job's parts, built from its config through the public API (`run.prepare`,
-`run.eval_loader`): the task (model, data, loss), the optimizer and schedule, the fault hooks."""
+`run.eval_loader`): the workload (model, data, loss), the optimizer and schedule, the fault hooks."""
 from __future__ import annotations
 
 import math
@@ -11,17 +11,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..api import Run
+from ..parallel import check_amp, grad_scaler, to_device
+from ..reliability import model_flops_per_sample, peak_tflops
 from .config import TrainConfig
 from .inject import Injector, parse as parse_faults
-from ..reliability.metrics import model_flops_per_sample, peak_tflops
-from ..resources import loader_workers
-from .workload import build as build_task
-from ..parallel.wrap import check_amp, grad_scaler, to_device
+from .workload import build as build_workload
 
 
 @dataclass
 class Job:
-    """Everything the loop touches; built once by `build()`."""
+    """The reference job's parts: everything the loop touches; built once by `build()`."""
 
     cfg: TrainConfig
     run: Run
@@ -41,18 +40,18 @@ class Job:
 def build(cfg: TrainConfig, run: Run) -> Job:
     check_amp(cfg.amp, run.device, is_main=run.is_main)
     torch.manual_seed(cfg.seed + run.rank)  # per-rank stream for augmentation; weights use their own seed
-    auto = 0 if cfg.device_data else loader_workers(run.ctx.env, run.device)
+    auto = 0 if cfg.device_data else run.loader_workers
     workers = auto if cfg.num_workers < 0 else cfg.num_workers
-    task = build_task(cfg.model, cfg.model_args, cfg.dataset, cfg.dataset_args, cfg.loss, seed=cfg.seed,
-                      data_root=cfg.data_root, download=cfg.download, synthetic_size=cfg.synthetic_size)
-    model, train_loader = run.prepare(task.model,  # prepare places it (FSDP: shard by shard)
-                                      DataLoader(task.train, batch_size=cfg.batch_size, shuffle=True,
+    work = build_workload(cfg.model, cfg.model_args, cfg.dataset, cfg.dataset_args, cfg.loss, seed=cfg.seed,
+                          data_root=cfg.data_root, download=cfg.download, synthetic_size=cfg.synthetic_size)
+    model, train_loader = run.prepare(work.model,  # prepare places it (FSDP: shard by shard)
+                                      DataLoader(work.train, batch_size=cfg.batch_size, shuffle=True,
                                                  num_workers=workers, drop_last=True),
                                       grad_accum=cfg.grad_accum, sync_bn=cfg.sync_bn, compile=cfg.compile,
                                       channels_last=cfg.channels_last,
                                       device_data=cfg.device_data, strategy=cfg.strategy, amp=cfg.amp,
                                       **_strategy_options(cfg))
-    test_loader = run.eval_loader(DataLoader(task.test, batch_size=max(train_loader.micro_batch, 256),
+    test_loader = run.eval_loader(DataLoader(work.test, batch_size=max(train_loader.micro_batch, 256),
                                              num_workers=workers))
     optimizer = build_optimizer(cfg.optimizer, list(model.parameters()), run.device.type, lr=cfg.lr,
                                 momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -60,7 +59,7 @@ def build(cfg: TrainConfig, run: Run) -> Job:
     total = min(total, cfg.max_steps) if cfg.max_steps else total
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(cfg.lr_schedule, total))
     faults = Injector(parse_faults(cfg.inject), run.rank, armed=run.ctx.env.restart_count == 0)
-    job = Job(cfg, run, model, task.loss, optimizer, scheduler, grad_scaler(cfg.amp, run.device), train_loader,
+    job = Job(cfg, run, model, work.loss, optimizer, scheduler, grad_scaler(cfg.amp, run.device), train_loader,
               test_loader, total, faults)
     if cfg.rank_metrics:
         sample = to_device(train_loader.sample_batch(), run.device)
@@ -100,11 +99,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _strategy_options(cfg: TrainConfig) -> dict[str, Any]:
-    if cfg.strategy == "fsdp":
-        blocks = [b.strip() for b in cfg.fsdp_blocks.split(",") if b.strip()] or None
-        return {"fsdp": {"blocks": blocks, "cpu_offload": cfg.fsdp_cpu_offload,
-                         "reshard_after_forward": cfg.fsdp_reshard_after_forward}}
-    return {"ddp": {"bucket_cap_mb": cfg.bucket_cap_mb, "static_graph": cfg.static_graph}}
+    from ..parallel import find_strategy as strategy  # the strategy knows which of the job's keys are its options
+
+    return strategy(cfg.strategy).prepare_options({k: getattr(cfg, k) for k in strategy(cfg.strategy).config_keys})
 
 
 def _schedule(kind: str, total: int):

@@ -1,9 +1,9 @@
-"""The reference training loop, written against the public API: micro-steps with no_sync
+"""The reference job's training loop, written against the public API: micro-steps with no_sync
 accumulation, the step boundary (`run.step`), exact evaluation, log lines.
 
 Checkpoints, preemption, sync checks, the NaN guard, the hang watchdog and metrics.jsonl are the
-step boundary's business (guard.py); this loop adds what is particular to the job: the loss
-function's metrics, throughput and MFU in each record, and the console lines.
+step boundary's business (reliability/boundary.py); this loop adds what is particular to the
+reference job: the loss function's metrics, throughput and MFU in each record, and the console lines.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ..api import Run
+from ..parallel import autocast, to_device
 from .job import Job
 from .workload import batch_size, split_loss
-from ..parallel.wrap import autocast, to_device
 
 
 def _channels_last(batch: Any) -> Any:

@@ -1,13 +1,14 @@
-"""What the reference job trains: a model, a dataset and a loss, each a built-in name or an import path.
+"""The reference job's workload: the model + dataset + loss triple it trains, each a built-in name
+or an import path.
 
     --model pkg.module:function      function(**model_args) -> nn.Module
     --dataset pkg.module:function    function(**dataset_args) -> (train_dataset, test_dataset)
     --loss pkg.module:function       function(model, batch) -> loss, or (loss, {"name": value, ...})
 
 Modules are imported from the working directory first, as `python -m` does, on every rank. Each
-kind has one registry of built-in names (models.REGISTRY, datasets.REGISTRY, LOSSES). Anything
-wrong at startup is one line and exit 2: not importable, no such function, an argument the
-function does not take, a wrong return type.
+kind has one registry of built-in names (ddp_kit.models.REGISTRY, ddp_kit.datasets.REGISTRY,
+ddp_kit.losses.LOSSES). Anything wrong at startup is one line and exit 2: not importable, no such
+function, an argument the function does not take, a wrong return type.
 """
 from __future__ import annotations
 
@@ -19,26 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
 from ..datasets import REGISTRY as DATASETS, DataSpec
 from ..errors import UserError
+from ..losses import LOSSES
 from ..models import REGISTRY as MODELS
-
-
-def cross_entropy(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The default loss: classification on (inputs, targets) batches; reports accuracy too."""
-    if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
-        raise UserError(f"the default loss cross_entropy needs (inputs, targets) batches; this dataset yields "
-                        f"{type(batch).__name__} batches", "pass --loss pkg.module:function that takes (model, batch)")
-    x, y = batch
-    out = model(x)
-    return F.cross_entropy(out.float(), y), {"accuracy": (out.argmax(1) == y).float().mean()}
-
-
-LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy}
 
 
 def is_path(name: str) -> bool:
@@ -86,7 +74,9 @@ def call(kind: str, spec: str, fn: Callable, args: dict[str, Any], *extra: Any) 
 
 
 @dataclass(frozen=True)
-class Task:
+class Workload:
+    """The triple, built: what `build` returns."""
+
     model: nn.Module
     train: Dataset
     test: Dataset
@@ -95,7 +85,7 @@ class Task:
 
 
 def build(model: str, model_args: dict, dataset: str, dataset_args: dict, loss: str, *, seed: int,
-          data_root: str, download: bool, synthetic_size: int) -> Task:
+          data_root: str, download: bool, synthetic_size: int) -> Workload:
     """The three parts, resolved and checked; the model's weights are drawn from `seed` on every rank."""
     if is_path(dataset):
         out = call("dataset", dataset, load("dataset", dataset), dataset_args)
@@ -127,7 +117,7 @@ def build(model: str, model_args: dict, dataset: str, dataset_args: dict, loss: 
         loss_fn = LOSSES[loss]
     else:
         raise UserError(f"unknown loss {loss!r}", f"choose one of {', '.join(LOSSES)}, or pkg.module:function")
-    return Task(net, train, test, loss_fn, loss)
+    return Workload(net, train, test, loss_fn, loss)
 
 
 def _shape_and_classes(spec: DataSpec | None, train: Dataset) -> tuple[tuple[int, ...], int]:

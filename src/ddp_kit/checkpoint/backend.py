@@ -1,0 +1,114 @@
+"""The checkpoint backend seam: what the step boundary asks of a run's checkpoint storage, and the
+registry that picks an implementation by the location's URL scheme (a plain path is "file").
+
+Adding a backend is one new module with a factory `open_<x>(ctx, location, **options)` and one line
+in BACKENDS. The registry names the factory by its import path rather than importing it, so that a
+backend's optional dependency (fsspec, s3fs) is imported only by a run that uses it.
+
+What every backend must guarantee (the readers rely on nothing else):
+- **Atomic visibility.** A step counts only once its manifest (layout.MANIFEST) is present and every
+  file it names is there with the size and sha256 it records. Readers (find, the CLI) trust nothing
+  else, so a crash at any point of a save leaves at most files that no manifest vouches for. A folder
+  gets this by writing into a temporary name and renaming it; a store without rename (an object
+  store) writes every object under the step's prefix, then the manifest, then the `latest` pointer.
+- **`latest` bounds resume from above.** Steps above the one `latest` names belong to an abandoned
+  run and are never chosen; `latest` may name a step that is not (yet) valid, and find then falls
+  back to the newest valid step below it, saying so through `warn`.
+- **Durability.** Once `save` (or, when asynchronous, `wait`) has returned on every rank, the step
+  survives the processes: fsync'd on a file system, every upload completed on an object store.
+- **No training collectives.** Ranks report their files to rank 0 through the rendezvous store, so
+  an asynchronous save never issues a collective that could interleave with the training loop's.
+  `save`, `find` and `load_sharded` are called by every rank at the same point.
+- **Nothing committed is lost by accident.** `prune` never removes the newest committed step and
+  removes only leftovers and steps beyond `keep_last`; `archive` moves steps aside, never deletes.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class Found:
+    """A committed step chosen for resume: where it lives and its step number."""
+    path: Path
+    step: int
+
+
+@runtime_checkable
+class CheckpointBackend(Protocol):
+    """The operations the step boundary uses, at one checkpoint location of one run."""
+
+    location: str  # where the steps live, as the user named it (for messages)
+
+    def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any],
+             sharded: dict[str, Any] | None = None) -> None:
+        """Commit step `step` (collective). `shared`: identical on every rank, written once; `per_rank`:
+        this rank's own; `sharded`: FSDP's state dicts, different on every rank. Asynchronous backends
+        return once the state is copied off the device; the next save (or wait) waits for the commit."""
+
+    def wait(self) -> None:
+        """Block until a pending save is committed; re-raise its error here."""
+
+    def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
+        """The step to resume from (collective): "auto" the newest valid one (at most `latest`, damaged
+        ones reported through `warn`), "never" None, else the named step, refused in one line if invalid."""
+
+    def load(self, found: Found) -> tuple[dict, dict | None, dict]:
+        """(shared state, this rank's own state or None, meta) of `found`, on CPU."""
+
+    def sharded_keys(self, found: Found) -> set[str]:
+        """The flattened keys of the sharded state `found` holds (empty when it holds none)."""
+
+    def load_sharded(self, found: Found, template: dict) -> None:
+        """Fill `template` (this rank's sharded state dicts) from `found`, whatever world size wrote it."""
+
+    def latest(self) -> int | None:
+        """The step the `latest` pointer names; None when there is none (nothing committed here)."""
+
+    def latest_name(self) -> str:
+        """The step `latest` names, as a message says it ("step_12", or "none yet")."""
+
+    def owns(self, found: Found) -> bool:
+        """Whether `found` is one of this location's steps (a resume from elsewhere starts a new lineage)."""
+
+    def prune(self, newest: int) -> None:
+        """Keep the newest `keep_last` steps up to `newest` (itself always), and drop a killed save's leftovers."""
+
+    def archive(self, keep_upto: int | None, into: str | Path) -> list[int]:
+        """Move every step above `keep_upto` (all when None) to `into`/<time>/ on the same storage, with
+        `latest` pointing at `keep_upto` (or removed) first; returns the steps moved."""
+
+    def close(self) -> None:
+        """At the run's end: wait for a pending save (re-raising its error), then free what saves kept."""
+
+
+# scheme -> "module:factory"; factory(ctx, location: str, **options) -> CheckpointBackend
+BACKENDS: dict[str, str] = {
+    "file": "ddp_kit.checkpoint.checkpointer:open_folder",
+}
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def scheme_of(location: str | Path) -> str:
+    """The URL scheme of a checkpoint location, lower-cased; "file" for a plain path."""
+    found = None if isinstance(location, Path) else _SCHEME.match(str(location))
+    return found.group(1).lower() if found else "file"
+
+
+def open_backend(location: str | Path, ctx: Any, **options: Any) -> CheckpointBackend:
+    """The backend for `location` (a folder path or a URL), built with `options` (keep_last, async_save,
+    timeout_s, write_delay_s). An unknown scheme is refused in one line."""
+    scheme = scheme_of(location)
+    if scheme not in BACKENDS:
+        raise UserError(f"unknown checkpoint location scheme {scheme!r} in {str(location)!r}: this ddp_kit "
+                        f"stores checkpoints in {', '.join(f'{s}://' for s in sorted(BACKENDS))} locations",
+                        "pass a folder path (or file:///absolute/path) as run_dir")
+    module, factory = BACKENDS[scheme].split(":")
+    return getattr(importlib.import_module(module), factory)(ctx, str(location), **options)

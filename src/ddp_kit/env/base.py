@@ -1,0 +1,100 @@
+"""The detected environment as one frozen value, and the variable parsing every launcher shares.
+
+`DistEnv` carries the rank layout plus neutral facts about the launcher and the scheduler around
+it (does the scheduler bind GPUs to tasks, who hosts the rendezvous store, how to requeue the job),
+so that the rest of ddp_kit asks those facts and never a launcher's name. `launcher` is a display
+name only (the startup line, the doctor).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..errors import UserError
+
+# The launcher name of a process nobody launched: the default of `DistEnv.launcher`.
+NO_LAUNCHER = "single"
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. World size 1 when nothing launched us."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = NO_LAUNCHER  # a display name; compare the facts below instead
+    job_id: str | None = None
+    restart_count: int = 0
+    hosts: tuple[str, ...] = ()
+    batch_job_id: str | None = None  # the scheduler's job (SLURM_JOB_ID) around us, whatever started the ranks
+    requeue_id: str | None = None  # what `scontrol requeue` takes for this job: ARRAYID_TASKID for an array task
+    cpus_on_node: int | None = None  # CPUs the scheduler allocated on this node (None: not said)
+    gpus_on_node: int | None = None  # GPUs the scheduler allocated on this node (None: not said)
+    # ---- neutral facts, set by the launcher's detect() (the defaults: a plain process) ----
+    # Each rank is a task the scheduler may bind to a GPU of its own (srun --gpu-bind): a task that
+    # sees exactly one GPU then owns it, rather than sharing it with the node's other ranks.
+    scheduler_binds_gpus: bool = False
+    # The launcher's agent hosts the rendezvous store and the workers, rank 0 included, only connect
+    # to it: rank 0's exit does not take the store down.
+    agent_store: bool = False
+    # The launcher puts OMP_NUM_THREADS=1 into its workers' environment when the user did not, so a 1
+    # found there may be the launcher's default rather than the user's choice.
+    sets_omp_threads: bool = False
+    # The launcher met its peers at master_addr:master_port before it started this process: the
+    # endpoint is known to resolve and its port is in use by design (nothing there for us to probe).
+    rendezvous_by_launcher: bool = False
+    # The command that puts this job back in its scheduler's queue (None: no scheduler requeues it).
+    requeue_command: tuple[str, ...] | None = None
+
+    @property
+    def launched(self) -> bool:
+        """Started by a launcher (torchrun, srun, ...), not as a plain `python` process."""
+        return self.launcher != NO_LAUNCHER
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def int_var(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
+    """`environ[key]` as an int; `default` when unset or empty (no default: refused as missing)."""
+    raw = environ.get(key)
+    if raw is None or raw == "":
+        if default is None:
+            raise UserError(f"{key} is not set", "launch with torchrun or srun, or unset the partial launcher variables")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"{key}={raw!r} is not an integer", f"unset or fix {key}") from None
+
+
+def count_var(environ: Mapping[str, str], key: str) -> int | None:
+    """A count the scheduler may state, e.g. CPUs on this node; None when absent or not a plain number."""
+    raw = environ.get(key, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def check_place(env: DistEnv) -> None:
+    """Refuse a layout whose numbers disagree, whichever launcher gave them."""
+    if env.world_size < 1:
+        raise UserError(f"world size {env.world_size} from {env.launcher} is not positive", "check the launcher's task count")
+    if not 0 <= env.rank < env.world_size:
+        raise UserError(f"rank {env.rank} is outside world size {env.world_size} ({env.launcher})",
+                        "the launcher variables disagree; relaunch with torchrun or srun instead of setting them by hand")
+    if not 0 <= env.local_rank < max(env.local_world_size, 1):
+        raise UserError(f"local rank {env.local_rank} is outside local world size {env.local_world_size} ({env.launcher})",
+                        "check --ntasks-per-node / --nproc_per_node")
+    if env.world_size > 1 and not env.master_addr:
+        raise UserError(f"{env.launcher} gave world size {env.world_size} but no master address",
+                        "set MASTER_ADDR to the first node's host name")

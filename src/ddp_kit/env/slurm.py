@@ -1,0 +1,147 @@
+"""SLURM: ranks started by srun (one task per rank), and the facts of the batch job around any launcher.
+
+Two roles. `detect` reads an srun step's task variables (SLURM_PROCID, SLURM_LOCALID, ...), host list
+included (`node[1-3,7]` fully expanded). `around` adds what the allocation says whatever started the
+ranks (torchrun inside a batch job too): the job id, how to requeue it, the node's CPUs and GPUs.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Mapping
+
+from ..errors import UserError
+from .base import DistEnv, count_var, int_var
+
+NAME = "slurm"
+
+
+def detect(environ: Mapping[str, str]) -> DistEnv | None:
+    """This task's place inside an srun step, or None outside one. A batch script with several tasks
+    allocated but no srun is refused: each task would train alone."""
+    if "SLURM_JOB_ID" not in environ:
+        return None
+    if not _in_step(environ):
+        ntasks = environ.get("SLURM_NTASKS")
+        if ntasks and ntasks.isdigit() and int(ntasks) > 1:
+            raise UserError(
+                f"SLURM allocated {ntasks} tasks but this process was not started by srun, so it would train alone",
+                "prepend `srun` to the command (or use slurm/torchrun.sbatch, which runs torchrun once per node)")
+        return None
+    job_id = environ["SLURM_JOB_ID"]  # unique per array task too (SLURM_ARRAY_JOB_ID is shared by all tasks)
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
+    hosts = tuple(expand_nodelist(nodelist)) if nodelist else ()
+    node_id = int_var(environ, "SLURM_NODEID", 0)
+    tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    world = int_var(environ, "SLURM_STEP_NUM_TASKS", int_var(environ, "SLURM_NTASKS", 1))
+    return DistEnv(
+        rank=int_var(environ, "SLURM_PROCID"),
+        local_rank=int_var(environ, "SLURM_LOCALID", 0),
+        world_size=world,
+        local_world_size=_tasks_on_node(tasks_per_node, node_id) if tasks_per_node else world,
+        node_rank=node_id,
+        num_nodes=int_var(environ, "SLURM_STEP_NUM_NODES", int_var(environ, "SLURM_JOB_NUM_NODES", max(1, len(hosts)))),
+        # A user-set MASTER_ADDR/PORT wins: clusters with a separate fabric name need it.
+        master_addr=environ.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
+        master_port=int_var(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else slurm_port(job_id),
+        launcher=NAME,
+        job_id=job_id,
+        restart_count=int_var(environ, "SLURM_RESTART_COUNT", 0),
+        hosts=hosts,
+        scheduler_binds_gpus=True,  # srun --gpu-bind / --gpus-per-task show each task its own GPU
+    )
+
+
+def around(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
+    """`env` plus what the SLURM allocation around this process says (unchanged outside a SLURM job)."""
+    job_id = environ.get("SLURM_JOB_ID")
+    target = requeue_target(environ)
+    return replace(env, job_id=env.job_id or job_id, batch_job_id=job_id, requeue_id=target,
+                   requeue_command=("scontrol", "requeue", target) if target else None,
+                   cpus_on_node=count_var(environ, "SLURM_CPUS_ON_NODE"),
+                   gpus_on_node=count_var(environ, "SLURM_GPUS_ON_NODE"))
+
+
+def check_gpus(env: DistEnv, visible: int, environ: Mapping[str, str]) -> list[str]:
+    """The srun layout against the GPUs this task sees: refuse one that mis-assigns GPUs; return
+    warnings (said by each node's local rank 0) about an allocation that does not show."""
+    warnings = []
+    if env.gpus_on_node is not None and env.gpus_on_node != visible and env.local_rank == 0:
+        warnings.append(f"[node {env.node_rank}] SLURM allocated {env.gpus_on_node} GPU(s) but {visible} are visible "
+                        f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    if env.local_world_size != visible and visible != 1:
+        raise UserError(f"{env.local_world_size} task(s) on node {env.node_rank} but {visible} GPU(s) visible: the srun "
+                        f"layout needs one task per GPU", f"use --ntasks-per-node={visible} (equal to --gpus-per-node)",
+                        rank=env.rank if env.local_rank == 0 else None)
+    return warnings
+
+
+def requeue_target(environ: Mapping[str, str]) -> str | None:
+    """`ARRAYID_TASKID` for an array task: one task's SLURM_JOB_ID can equal the array's own id, and
+    `scontrol requeue <array id>` would requeue every task of the array."""
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def slurm_port(job_id: str) -> int:
+    """A port every task of one job derives alike, spread over jobs so that two do not collide."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 15000 + int(digits[-4:]) % 10000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list such as `gpu[01-03,07],cpu5` into every host name, in order."""
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        if item:
+            hosts.extend(_expand_one(item))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_one(item: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if not match:
+        return [item]
+    head, tail = item[: match.start()], item[match.end():]
+    names = []
+    for rng in match.group(1).split(","):
+        lo, _, hi = rng.partition("-")
+        if not hi:
+            names.append(lo)
+            continue
+        width = len(lo)  # zero padding is kept: gpu[01-03] -> gpu01, gpu02, gpu03
+        names.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return [head + name + rest for name in names for rest in _expand_one(tail)]
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Parse SLURM_TASKS_PER_NODE, e.g. `2(x3),1`, and return the count for node `node_id`."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise UserError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}",
+                            "check the sbatch/srun task options")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def _in_step(environ: Mapping[str, str]) -> bool:
+    """True inside an srun step; the batch script itself (and salloc's shell) is not one."""
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID"))
+    return step is not None and step not in ("batch", "extern", "interactive", "4294967294", "4294967290")

@@ -1,0 +1,30 @@
+"""Built-in losses: name -> function(model, batch) returning a scalar loss, or (loss, {"name": value}).
+
+A loss owns the forward pass (it calls the model), so that one function fits any batch layout;
+the values of the metrics dict are averaged over ranks in training and evaluation.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import UserError
+
+
+def cross_entropy(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Classification on (inputs, targets) batches; reports accuracy too."""
+    if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+        raise UserError(f"the default loss cross_entropy needs (inputs, targets) batches; this dataset yields "
+                        f"{type(batch).__name__} batches", "pass --loss pkg.module:function that takes (model, batch)")
+    x, y = batch
+    out = model(x)
+    return F.cross_entropy(out.float(), y), {"accuracy": (out.argmax(1) == y).float().mean()}
+
+
+LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy}
+DESCRIPTIONS = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in LOSSES.items()}
+
+__all__ = ["DESCRIPTIONS", "LOSSES", "cross_entropy"]

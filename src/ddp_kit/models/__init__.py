@@ -1,0 +1,42 @@
+"""Built-in models, one file each: `models/NAME.py` opens with a one-line docstring (the help
+text) and defines `NAME(input_shape, num_classes, **model_args) -> nn.Module`. Adding a model is
+adding its file; this face finds every such module (not those starting with "_"), in name order.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+
+
+def _discover() -> tuple[dict[str, Callable[..., nn.Module]], dict[str, str]]:
+    builders, about = {}, {}
+    for name in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+        module = importlib.import_module(f"{__name__}.{name}")
+        if not callable(getattr(module, name, None)):  # a new file's author reads this, not a user
+            raise ImportError(f"{module.__file__} must define {name}(input_shape, num_classes, **model_args)")
+        builders[name] = getattr(module, name)
+        about[name] = ((module.__doc__ or "").strip().splitlines() or [""])[0]
+    return builders, about
+
+
+# One registry: name -> builder(input_shape, num_classes, **model_args); DESCRIPTIONS: name -> one line.
+REGISTRY, DESCRIPTIONS = _discover()
+MODELS = tuple(REGISTRY)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0, **model_args) -> nn.Module:
+    """Build `name` with weights drawn from `seed`, identical on every rank."""
+    if name not in REGISTRY:
+        raise UserError(f"unknown model {name!r}", f"choose one of {', '.join(MODELS)}, or pkg.module:function")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return REGISTRY[name](input_shape, num_classes, **model_args)
+
+
+__all__ = ["DESCRIPTIONS", "MODELS", "REGISTRY", "build_model"]

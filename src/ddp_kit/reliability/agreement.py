@@ -1,0 +1,69 @@
+"""Startup, before step 1 ends: the optimizers train the prepared models, every rank holds the same
+versions, data, model shapes, config and resumed step, and then the collective timeout tightens."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import __version__
+from ..dist import barrier, set_collective_timeout
+from ..errors import UserError
+from .recipe import config_hash
+from .sync_checks import check_agreement, shapes_digest
+
+if TYPE_CHECKING:
+    from .boundary import StepBoundary
+
+
+def agree(b: "StepBoundary", facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
+    """Every rank holds the same versions, data, model shapes and resumed step (plus the caller's
+    `facts`); else every rank stops with one line naming the rank."""
+    mine = {"world_size": b.ctx.world_size, "ddp_kit": __version__, "torch": torch.__version__,
+            "resumed_step": b.done, **(facts or {})}
+    if b.config is not None:
+        mine["config"] = config_hash(b.config)
+        details = {**(details or {}), "config": b.config}
+    for i, loader in enumerate(b.loaders):
+        mine[f"loader{i}_dataset_len"] = len(loader.dataset)
+        mine[f"loader{i}_steps_per_epoch"] = loader.steps_per_epoch
+    for i, module in enumerate(b.modules):
+        mine[f"model{i}_param_shapes"] = shapes_digest(module)
+    with b.collective("startup"):
+        check_agreement(b.ctx, mine, details)
+
+
+def check_optimizers(b: "StepBoundary") -> None:
+    """Every registered optimizer steps parameters of a registered model; else the run would train
+    nothing, or (a sharded strategy) fail only at its first checkpoint, possibly hours later. The usual
+    cause: the optimizer was made before run.prepare, which under FSDP replaces the parameters."""
+    if not b.models:
+        return
+    owned = {id(p) for m in b.models for p in m.parameters()}
+    for name, opt in b.named(torch.optim.Optimizer).items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not params or any(id(p) in owned for p in params):
+            continue
+        if b.strategy.sharded:
+            raise UserError(f"optimizer {name!r} holds none of the prepared model's parameters (run.prepare(..., "
+                            f"strategy='{b.strategy.name}') replaces them with sharded ones): it would train nothing, "
+                            f"and its checkpoint would fail",
+                            "create the optimizer after run.prepare, from the model it returned: "
+                            "optimizer = AdamW(model.parameters())", verdict=True)
+        # Under DDP the parameters stay the same tensors: an optimizer over another module's (a
+        # learnable loss head) is legitimate, but it is worth a word once.
+        b.say(f"ddp_kit: warning: optimizer {name!r} holds none of the prepared models' parameters; if it "
+              f"should train the model, create it from the model run.prepare returned")
+
+
+def first_step_over(b: "StepBoundary") -> None:
+    if not b.resumed:  # run.resume checked them already
+        b.check_optimizers()
+    b.agree()
+    # Startup is over (data ready, kernels compiled): from here a collective that takes longer
+    # than collective_timeout_s is a fault, not a slow start.
+    with b.collective("after step"):
+        barrier(b.ctx)
+    set_collective_timeout(b.ctx, b.policy.collective_timeout_s)
+    b.progress.warm = True
+    b.flag.started()  # from here a stop signal is agreed on and checkpointed

@@ -1,0 +1,43 @@
+"""sys.excepthook while a Run is open: an error that ends the script goes through the failure policy
+(crash.py) of the step boundary; while joining (no boundary yet) a UserError is one line."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import EXIT_USER_ERROR, UserError, report_user_error
+
+if TYPE_CHECKING:
+    from .boundary import StepBoundary
+
+
+class Failures:
+    """sys.excepthook while a Run is open: the failure policy (failure.py) decides what this rank
+    prints and its exit code. While joining (no guard yet) only a UserError is handled: one line."""
+
+    def __init__(self, guard: "StepBoundary | None", rank: int = 0):
+        self.guard = guard
+        self.rank = guard.ctx.rank if guard is not None else rank
+        self.active = True
+        self.previous = sys.excepthook
+        sys.excepthook = self
+
+    def __call__(self, kind, err, tb) -> None:
+        if not self.active:
+            return self.previous(kind, err, tb)
+        if self.guard is None and isinstance(self.previous, Failures) and self.previous.guard is not None:
+            return self.previous(kind, err, tb)  # a Run is open (a second ddp_kit.init): its policy decides
+        if self.guard is not None:
+            # SystemExit from an excepthook sets the exit code; atexit (teardown, no final save) still runs.
+            sys.exit(self.guard.fail(err))
+        if not isinstance(err, UserError):
+            return self.previous(kind, err, tb)
+        report_user_error(err, self.rank)
+        if self.rank != 0 and not err.local:
+            time.sleep(1.0)  # rank 0 prints it; torchrun stops all ranks once one exits, so give rank 0 a moment
+        sys.exit(EXIT_USER_ERROR)
+
+    def uninstall(self) -> None:
+        if sys.excepthook is self:
+            sys.excepthook = self.previous

@@ -1,0 +1,27 @@
+"""What the step boundary does, and how often: the keywords of `ddp_kit.init()` beyond its own."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the step boundary does, and how often. Every field is a keyword of `ddp_kit.init()`."""
+
+    run_dir: str | None = None  # checkpoints, metrics.jsonl, hang reports; None: no checkpoints
+    resume: str = "auto"  # auto: the newest valid checkpoint in run_dir; never; or a step_<N> folder
+    ckpt_every: int = 0  # optimizer steps between checkpoints (0: by time only)
+    ckpt_every_s: float = 1800.0  # seconds between checkpoints (0: by steps only); checked every preempt_check_every
+    keep_last: int = 3  # checkpoints kept (0: all)
+    async_ckpt: bool = False  # write checkpoints in a background thread
+    hang_timeout_s: float = 180.0  # no progress on a rank for this long: report the lagging rank, exit 3 (0: off)
+    peer_timeout_s: float = 30.0  # a rank's heartbeat silent this long: it is named as gone, every rank exits (0: off)
+    collective_timeout_s: float = 300.0  # every collective's timeout after step 1
+    preempt_check_every: int = 10  # steps between the ranks' agreement on a stop signal
+    sync_check_every: int = 100  # steps between cross-rank checksum comparisons (0: off)
+    sync_fix: str = "error"  # on divergence: error, or broadcast rank 0's weights
+    log_every: int = 50  # steps between metrics.jsonl records (0: off)
+    rank_metrics: bool = True  # each record holds every rank's time split; stragglers are named
+    rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
+    straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
+    ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down

@@ -1,0 +1,120 @@
+"""The run's metrics record: the loss window between log events, one metrics.jsonl record per log
+event (loss, lr, samples/s, every rank's time split, stragglers named), and summary.json: the
+script's own, or a default one at close."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .. import __version__
+from ..dist import DistContext, all_reduce_sum, gather_object
+from ..parallel.fsdp import memory_bytes
+from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
+from .outputs import RunWriter
+from .policy import Policy
+from .recipe import config_hash
+from .sync_checks import param_sha256
+
+if TYPE_CHECKING:
+    from .boundary import StepBoundary
+
+
+class MetricsRecords:
+    """What the records are made of between two log events, and what was last written."""
+
+    def __init__(self, ctx: DistContext, policy: Policy):
+        self.ctx, self.policy = ctx, policy
+        gpu_spans = ctx.device.type == "cuda" and policy.rank_metrics and policy.log_every > 0
+        self.timer = StepTimer(gpu=GpuSpans() if gpu_spans else None)
+        self.stragglers = StragglerWatch(policy.straggler_margin)
+        self.on_log: list[Callable[[dict], None]] = []
+        self.writer: RunWriter | None = None  # set once the run folder is open (lifecycle)
+        self.summary_written = False  # the script (or the reference job) wrote summary.json itself
+        self.last_eval: dict[str, Any] = {}  # the last record logged with event "eval" (run.log_event)
+        self.last_train: dict[str, Any] = {}
+        self.started = time.perf_counter()
+        self._window_loss: torch.Tensor | None = None
+        self._window_n = 0
+        self.last_log = (time.perf_counter(), 0)  # (when, at which step) the last record was made
+
+    def add_loss(self, value: torch.Tensor) -> None:
+        """A step's loss, folded into a device scalar: never read on the spot."""
+        self._window_loss = value if self._window_loss is None else self._window_loss + value
+        self._window_n += 1
+
+    def restart_window(self, done: int) -> None:
+        self.last_log = (time.perf_counter(), done)
+
+    def log(self, b: "StepBoundary") -> dict[str, Any]:
+        """One metrics record: loss (mean over ranks and steps since the last record), lr, samples/s
+        and, with rank_metrics, every rank's time split; named stragglers are warned about."""
+        ctx, done = self.ctx, b.done
+        with b.collective("log all-reduce"):
+            b.nonfinite.check(ctx, b.checkpointer_if_open())
+            now = time.perf_counter()
+            record: dict[str, Any] = {"event": "train", "step": done, "epoch": b.epoch}
+            if self._window_loss is not None:
+                (loss,) = all_reduce_sum(ctx, [float(self._window_loss) / max(self._window_n, 1)])
+                record["loss"] = loss / ctx.world_size
+            if b.optimizers:
+                record["lr"] = b.optimizers[0].param_groups[0]["lr"]
+            t0, s0 = self.last_log
+            if b.loaders:
+                record["samples_per_s"] = (done - s0) * b.loaders[0].global_batch / max(now - t0, 1e-9)
+            if self.policy.rank_metrics:
+                per_step = (b.loaders[0].global_batch // ctx.world_size) if b.loaders else 0
+                # Gradients exist between backward and zero_grad: their bytes are the ones seen at the last
+                # measured optimizer step (the optimizer's pre-hook), and measured again at the next one.
+                b.memory = {**memory_bytes(b.models, b.optimizers), "grad_bytes": b.memory.get("grad_bytes", 0)}
+                b.measure_grads = True
+                ranks = gather_ranks(ctx, self.timer.window(), per_step, b.memory)
+                if ranks is not None:  # rank 0: per-rank records are per-rank by nature, so they reach it only
+                    if len(ranks) <= self.policy.rank_records_max:
+                        record["ranks"] = ranks
+                    else:  # metrics.jsonl stays O(1) per record; the straggler check still sees every rank
+                        record["rank_summary"] = summarize_ranks(ranks)
+                    for line in self.stragglers.update(ranks):
+                        b.say(f"ddp_kit: warning: {line}")
+        for fn in self.on_log:
+            fn(record)
+        self.write(record)
+        self._window_loss, self._window_n, self.last_log = None, 0, (now, done)
+        return record
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "eval":
+            self.last_eval = record
+        elif record.get("event") == "train":
+            self.last_train = record
+        if self.writer is not None:
+            self.writer.log(record)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self.summary_written = True
+        if self.writer is not None:
+            self.writer.write_summary(summary)
+
+    def default_summary(self, b: "StepBoundary") -> dict[str, Any]:
+        """What the reference job's summary.json holds, for a script that writes none: the same
+        keys where they exist, the last eval record's values, and the final weights' digest. Collective."""
+        module = b.modules[0] if b.modules else None
+        digest = param_sha256(module) if module is not None else None
+        equal = None
+        if digest is not None and not b.strategy.sharded:  # sharded: every rank hashes the same gathered weights
+            digests = gather_object(self.ctx, digest)
+            equal = None if digests is None else all(d == digest for d in digests)
+        evals = {k: v for k, v in self.last_eval.items() if k not in ("event", "step", "epoch", "time")}
+        out = {"world_size": self.ctx.world_size, "steps": b.done, "epochs": b.epoch,
+               "train_loss": self.last_train.get("loss"), "wall_s": time.perf_counter() - self.started, **evals,
+               "param_sha256": digest, "param_sha256_all_ranks_equal": equal,
+               "ddp_kit": __version__, "torch": torch.__version__, "backend": self.ctx.backend,
+               "device": str(self.ctx.device), "resumed_from_step": b.resumed_from or None,
+               "strategy": b.strategy.name, "model_state_bytes": b.memory}
+        if b.config is not None:
+            out["config_hash"] = config_hash(b.config)
+        return out
+
+    def clear(self) -> None:
+        self.on_log.clear()

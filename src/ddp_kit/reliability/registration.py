@@ -1,0 +1,64 @@
+"""What a run registers, and the hooks that watch it: a model's forward (timed; DDP's buffer
+broadcast booked as comm), a loader's fetches (where the implicit step boundary runs), an
+optimizer's step (counted as a step, gradients measured). Registered objects are checkpointed."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..data import TrainLoader
+from ..errors import UserError
+from ..parallel.ddp import unwrap
+
+if TYPE_CHECKING:
+    from .boundary import StepBoundary
+
+
+def track(b: "StepBoundary", obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
+    """Register `obj` for checkpointing (models, ddp_kit loaders, optimizers are also watched).
+    `module`: a model's own module under its wrappers, where the caller has it."""
+    if b.state.holds(obj):
+        return
+    if b.resumed:
+        raise UserError(f"{type(obj).__name__} registered after run.resume(): it would never be restored "
+                        f"from a checkpoint", "call run.prepare(...) and pass every object before run.resume(...)")
+    if isinstance(obj, nn.Module):
+        b.models.append(obj)
+        b.modules.append(module if module is not None else unwrap(obj))
+        obj.register_forward_hook(lambda *_: b.timer.mark("forward"))
+        if isinstance(obj, DDP):
+            _time_ddp_forward(b, obj)
+        base = "model"
+    elif isinstance(obj, TrainLoader):
+        b.loaders.append(obj)
+        obj.on_fetch, obj.on_batch, obj.on_end = b.fetching, b.fetched, b.epoch_end
+        base = "data"
+    elif isinstance(obj, torch.optim.Optimizer):
+        b.optimizers.append(obj)
+        obj.register_step_pre_hook(b.stepping)  # backward and DDP's wait end here
+        obj.register_step_post_hook(b.stepped)
+        base = "optimizer"
+    else:
+        base = type(obj).__name__.lower()
+    b.state.add(name or b.state.next_name(base), obj)
+
+def _time_ddp_forward(b: "StepBoundary", ddp: DDP) -> None:
+    """DDP's pre-forward broadcasts rank 0's buffers (BatchNorm statistics) to every rank, a wait
+    on the others: booked as comm (the loop's own work before the call as other), and the forward
+    is timed from the inner module's start. Only inside DDP's call: the inner module alone (an
+    eval) marks nothing."""
+    inside = [False]
+
+    def entering(*_):
+        b.timer.mark("other")
+        inside[0] = True
+
+    def inner_start(*_):
+        if inside[0]:
+            inside[0] = False
+            b.timer.mark("comm", gpu="forward start")
+    ddp.register_forward_pre_hook(entering)
+    ddp.module.register_forward_pre_hook(inner_start)

@@ -1,0 +1,83 @@
+"""Resume: register the objects, find the checkpoint the policy names, refuse one that does not
+fit (another strategy, a changed recipe), restore every object and this rank's RNG, and start or
+continue one lineage in the run folder (checkpoint_io.archive_lineage)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..checkpoint.checkpointer import set_rng_state
+from ..errors import UserError
+from ..parallel.ddp import settle_ddp_buckets
+from ..parallel.strategy import UNRECORDED
+from .checkpoint_io import archive_lineage
+from .recipe import hyperparameters, is_scheduler, overridden, refuse_changed
+
+if TYPE_CHECKING:
+    from .boundary import StepBoundary
+
+
+def resume(b: "StepBoundary", objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
+    """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
+    for name, obj in objects.items():
+        b.track(obj, name)
+    b.resumed = True
+    b.check_optimizers()
+    ckpt = b.checkpointer()
+    b.progress.enter("startup")
+    found = ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
+    if found is not None:
+        _restore(b, ckpt, found, check)
+    if b.ctx.is_main and b.rd is not None:
+        archive_lineage(b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
+    if b.policy.ckpt_every == 0 and b.rd is not None:
+        every = b.policy.ckpt_every_s
+        b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
+              f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
+    return b.done
+
+
+def _restore(b: "StepBoundary", ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> None:
+    shared, own, meta = ckpt.load(found)
+    if check is None and b.config is not None:  # a script's own config: the reference job's rules
+        config = b.config
+        check = lambda m: refuse_changed(m.get("config") or {}, config, m["path"],  # noqa: E731
+                                         "use a new run_dir, or resume='never' to start over in this one")
+    optimizers = b.named(torch.optim.Optimizer)
+    scheduled = any(is_scheduler(o) for o in b.state.objects.values())
+    scripted = hyperparameters(optimizers, scheduled)
+    # Before any state is loaded: the caller may refuse this checkpoint, or say what changed.
+    said = check({**meta, "path": str(found.path)}) if check is not None else None
+    written = meta.get("strategy", UNRECORDED)
+    if written != b.strategy.name:
+        raise UserError(f"checkpoint {found.path} was written with strategy {written}; this run uses "
+                        f"{b.strategy.name}",
+                        f"resume it with strategy {written}, or export its weights (python -m ddp_kit.checkpoint "
+                        f"export) and start a new run_dir from them")
+    models, sharded_optimizers = b.sharded()
+    notes = b.state.load_state_dict(shared, str(found.path), skip=frozenset(models) | frozenset(sharded_optimizers))
+    if b.strategy.sharded:
+        with b.state_io():
+            b.strategy.load_state_dicts(models, sharded_optimizers, ckpt.sharded_keys(found),
+                                        lambda template: ckpt.load_sharded(found, template))
+    b.done = b.saved_step = int(shared["loop"]["step"])
+    b.resumed_from, b.resumed_path = b.done, found.path
+    b.records.restart_window(b.done)  # samples/s counts this process's steps only
+    b.progress.enter("startup", b.done)
+    if b.ctx.world_size > 1 and b.loaders:
+        for model in b.models:  # see ddp.settle_ddp_buckets: bit-identical resume needs it
+            settle_ddp_buckets(model, b.loaders[0].sample_batch(), b.ctx.device)
+    if own is not None and meta.get("world_size") == b.ctx.world_size:
+        set_rng_state(own["rng"])
+    else:
+        torch.manual_seed(1_000_003 * b.done + b.ctx.rank)
+    extra = [said] if said else []
+    extra += overridden(scripted, hyperparameters(b.named(torch.optim.Optimizer), scheduled))
+    if meta.get("world_size") != b.ctx.world_size:
+        extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {b.ctx.world_size}: "
+                     f"data order continues, per-rank RNG streams are reseeded")
+    b.say(f"ddp_kit: resumed from {found.path} (step {b.done}, epoch {b.epoch})"
+          + ("; " + "; ".join(extra) if extra else ""))
+    for note in notes:
+        b.say(f"ddp_kit: warning: {note}")

@@ -1,0 +1,49 @@
+"""The run folder before any work: writable, locked for this job, the same folder on every rank;
+and where a hang or crash leaves its stacks (`hang_folder`)."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from ..dist import DistContext, all_true, broadcast_object, gather_object, rank0_verdict
+from ..errors import UserError
+from .run_dir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
+
+
+def hang_folder(run_dir: str | Path | None) -> str:
+    """run_dir/hang; without a run folder a per-user folder in the temp dir, so that a hang still
+    leaves its stacks somewhere findable."""
+    if run_dir:
+        return str(RunDir(Path(run_dir)).hang)
+    return os.path.join(tempfile.gettempdir(), f"ddp_kit-hang-{os.getuid()}")
+
+
+def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
+    """Before any work: the folder is writable, no other job uses it, and every rank sees it."""
+    lock = None
+
+    def rank0() -> str:
+        nonlocal lock  # stays on rank 0: only the token travels
+        check_writable(rd.path)
+        lock = RunLock(rd.path / ".lock", ctx.env.job_id).acquire()
+        token = new_token()
+        write_token(rd.path, token) if ctx.world_size > 1 else None
+        return token
+
+    token = rank0_verdict(ctx, rank0)
+    if ctx.world_size > 1:
+        sees = sees_token(rd.path, token)
+        everyone = all_true(ctx, sees)  # 4 bytes per rank; who is blind is asked only if someone is
+        if ctx.is_main:
+            remove_token(rd.path, token)
+        if not everyone:
+            gathered = gather_object(ctx, None if sees else (ctx.rank, socket.gethostname()))
+            blind = broadcast_object(ctx, [g for g in gathered if g] if ctx.is_main else None)
+            r, host = blind[0]
+            more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+            raise UserError(f"run_dir {str(rd.path)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "
+                            f"file rank 0 wrote there; checkpoints need every rank to write into the same folder",
+                            "put run_dir on storage every node mounts (an absolute path); per-node run folders are not supported")
+    return lock

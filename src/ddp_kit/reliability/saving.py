@@ -1,0 +1,42 @@
+"""A checkpoint of everything registered, at this step: the shared state (rank 0's files), each
+rank's RNG, the strategy's sharded state where it has one, and meta.json."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import __version__
+from ..checkpoint.checkpointer import rng_state
+from ..parallel.ddp import sync_ddp_buffers
+from .recipe import config_hash
+
+if TYPE_CHECKING:
+    from .boundary import StepBoundary
+
+
+def save(b: "StepBoundary") -> None:
+    """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
+    b.flush()
+    ckpt = b.checkpointer()
+    if not b.state or b.saved_step == b.done:
+        return
+    b.nonfinite.check(b.ctx, ckpt)  # never save a run whose loss went NaN/inf
+    for model in b.models:  # model.pt holds rank 0's buffers: from here every rank has those too
+        sync_ddp_buffers(model)
+    models, optimizers = b.sharded()
+    shared = {**b.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": b.done}}
+    with b.state_io():
+        sharded = b.strategy.state_dicts(models, optimizers)
+    meta = {"ddp_kit": __version__, "torch": torch.__version__, "strategy": b.strategy.name, **b.meta}
+    if b.config is not None:
+        meta.update(config=b.config, config_hash=config_hash(b.config))
+    if b.loaders:
+        meta.update(epoch=b.loaders[0].epoch, position=b.loaders[0].position)
+    phase = b.progress.phase
+    b.progress.enter("checkpoint")
+    ckpt.save(b.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
+    b.progress.enter(phase)
+    b.saved_step = b.done
+    b.last_save_t = time.monotonic()
