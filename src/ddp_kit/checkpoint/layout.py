@@ -79,17 +79,3 @@ def dcp_shards(rank: int) -> str:
 def archive_stamp(when: float | None = None) -> str:
     """The name of one archive folder: the local time it was made."""
     return time.strftime(ARCHIVE_STAMP, time.localtime(when))
-
-
-# Before the split of names from folder reading (the step boundary still imports archive_abandoned
-# from here): the folder functions, now in .folder, answered lazily (folder imports this module).
-_MOVED = {"step_numbers", "validate", "list_checkpoints", "read_latest", "choose", "archive_abandoned",
-          "point_latest", "latest_name"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from . import folder
-
-        return getattr(folder, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

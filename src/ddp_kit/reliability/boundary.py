@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.backend import CheckpointBackend
 from ..data import TrainLoader
 from ..dist import DistContext, broadcast_object
 from ..errors import UserError
@@ -97,7 +97,7 @@ class StepBoundary:
         self.records = MetricsRecords(ctx, policy)
         self.timer = self.records.timer
         self._agreed = False
-        self._ckpt: Checkpointer | None = None
+        self._ckpt: CheckpointBackend | None = None
         self.watchdog = Watchdog(watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
                                  peer_timeout_s=policy.peer_timeout_s)
@@ -281,7 +281,7 @@ class StepBoundary:
 
     # ---- what the boundary schedules, each in its own module ------------------------------------------
 
-    def checkpointer(self) -> Checkpointer:
+    def checkpointer(self) -> CheckpointBackend:
         if self.rd is None:
             raise UserError("checkpoints need a run folder, and this run has none",
                             "pass run_dir to ddp_kit.init(run_dir=\"runs/my_run\")")
@@ -289,7 +289,7 @@ class StepBoundary:
             self._ckpt = open_checkpointer(self.ctx, self.rd, self.policy)
         return self._ckpt
 
-    def checkpointer_if_open(self) -> Checkpointer | None:
+    def checkpointer_if_open(self) -> CheckpointBackend | None:
         return self._ckpt
 
     def resume(self, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:

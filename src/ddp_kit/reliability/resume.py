@@ -30,7 +30,7 @@ def resume(b: "StepBoundary", objects: dict[str, Any], check: Callable[[dict], s
     if found is not None:
         _restore(b, ckpt, found, check)
     if b.ctx.is_main and b.rd is not None:
-        archive_lineage(b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
+        archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
     if b.policy.ckpt_every == 0 and b.rd is not None:
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
