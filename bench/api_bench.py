@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 import fire
-
 from run import HERE, VARIANTS, launch, step_median
 
 VARIANTS.update({"api": ["api_ddp.py"]})

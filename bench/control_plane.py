@@ -215,8 +215,7 @@ def markdown(results: dict) -> str:
         else:
             unit, growth = "ops per call", f"{tot['fit']['order']} ({tot['fit']['formula']})"
             at10k = f"{tot['extrapolated'][10_000]:.0f} ops per call"
-        fmt = (lambda xs: ", ".join(f"{x:.1f}" for x in xs))
-        out.append(f"| {r['op']} | {unit} | {fmt(so['at'])} | {fmt(s0['at'])} | {fmt(tot['at'])} | {growth} | {at10k} |")
+        out.append(f"| {r['op']} | {unit} | {_fmt(so['at'])} | {_fmt(s0['at'])} | {_fmt(tot['at'])} | {growth} | {at10k} |")
     if results.get("startup"):
         out += ["", "| ranks | raw torchrun script, launch to step 1 | ddp_kit | ratio (min..max) |", "|---|---|---|---|"]
         for s in results["startup"]:
@@ -227,3 +226,7 @@ def markdown(results: dict) -> str:
 
 if __name__ == "__main__":
     fire.Fire(main)
+
+
+def _fmt(xs) -> str:
+    return ", ".join(f"{x:.1f}" for x in xs)

@@ -26,9 +26,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -179,8 +179,8 @@ def part_checkpoint() -> dict:
     import torch
 
     from ddp_kit.checkpoint.checkpointer import Checkpointer
-    from ddp_kit.dist import distributed
     from ddp_kit.checkpoint.staging import tensors_in
+    from ddp_kit.dist import distributed
     dev = torch.device("cuda")
     model = _resnet().to(dev)
     opt = torch.optim.AdamW(model.parameters(), fused=True)

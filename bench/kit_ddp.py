@@ -10,8 +10,8 @@ import time
 import fire
 
 from ddp_kit.train import loop
-from ddp_kit.train.config import resolve
 from ddp_kit.train.command import run
+from ddp_kit.train.config import resolve
 
 
 def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, seed: int = 0, size: int = 4096, **flags):

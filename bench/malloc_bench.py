@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import fire
-
 import run as main_bench
 
 HERE = Path(__file__).resolve().parent

@@ -14,6 +14,30 @@ ROOT = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_process(request, monkeypatch):
+    """The unit tier (`-m "not integration"`) is what a developer runs on every change, in under two
+    minutes: a test there that starts a process (a subprocess, torchrun, a forked loader worker) is
+    refused at the call, naming the test, instead of quietly making the tier slow."""
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is in the unit tier but starts a process: "
+                             "mark it @pytest.mark.integration (or keep it in-process)")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    monkeypatch.setattr(os, "posix_spawnp", refuse)
+
+
 def proc_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

@@ -98,7 +98,7 @@ class Cluster:
     uts: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
-    def start(self, timeout: float = 60) -> "Cluster":
+    def start(self, timeout: float = 60) -> Cluster:
         for d in ("etc", "state", "spool", "log", "run"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
         # munged wants every directory above its socket world-executable, and the path short.

@@ -3,8 +3,16 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler,
-                              SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from conftest import HELPERS, run_cmd, torchrun
 from ddp_kit.api import Run
@@ -114,6 +122,7 @@ class Marked(torch.utils.data.Dataset):
         return torch.tensor(self.marked)
 
 
+@pytest.mark.integration
 def test_worker_init_fn_is_kept():
     loader = _runs(1)[0].train_loader(DataLoader(Marked(), batch_size=4, num_workers=1, worker_init_fn=_mark_worker))
     assert all(bool(b.all()) for b in loader)
@@ -151,6 +160,7 @@ def _one_line(res, *needles):
     return ours[0]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_unsized_iterable_dataset_through_the_api_is_one_line():
     res = torchrun([str(HELPERS / "api_refuse.py"), "iterable"])
@@ -159,6 +169,7 @@ def test_unsized_iterable_dataset_through_the_api_is_one_line():
     assert "exitcode  : 2" in res.stderr and "api_refuse.py\", line" not in res.stderr, res.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_refused_sampler_in_a_plain_process_is_one_line():
     res = run_cmd([sys.executable, str(HELPERS / "api_refuse.py"), "weighted"])
@@ -166,6 +177,7 @@ def test_refused_sampler_in_a_plain_process_is_one_line():
     _one_line(res, "WeightedRandomSampler")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_prepare_option_given_to_init_is_one_line_for_the_job():
     """ddp_kit.init(strategy=...) as Fabric(strategy=...) would take it: one line from the whole job
@@ -174,6 +186,7 @@ def test_a_prepare_option_given_to_init_is_one_line_for_the_job():
     _one_line(res, "strategy", "run.prepare(model, ..., strategy=...)")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case,needle", [("init_twice", "process group already exists"),
                                          ("prepare_twice", "already prepared")])
 def test_api_called_twice_is_one_line(case, needle):

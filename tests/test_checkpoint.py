@@ -36,6 +36,7 @@ def reference(tmp_path_factory):
     return {n: read_json(d / f"w{n}" / "summary.json") for n in (1, 2, 4)}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 4])  # 4: the ring all-reduce's sum order depends on DDP's bucket layout
 def test_kill_whole_job_then_rerun_is_bit_identical(tmp_path, reference, nproc):
@@ -49,6 +50,7 @@ def test_kill_whole_job_then_rerun_is_bit_identical(tmp_path, reference, nproc):
     assert summary["param_sha256"] == reference[nproc]["param_sha256"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_kill_one_worker_torchrun_restarts_and_matches(tmp_path, reference):
     res = job(tmp_path, 2, "--inject", "kill:rank=1:step=13", restarts=1)
@@ -57,6 +59,7 @@ def test_kill_one_worker_torchrun_restarts_and_matches(tmp_path, reference):
     assert summary["param_sha256"] == reference[2]["param_sha256"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_corrupt_newest_falls_back(tmp_path, reference, damage):
@@ -74,6 +77,7 @@ def test_corrupt_newest_falls_back(tmp_path, reference, damage):
     assert read_json(tmp_path / "summary.json")["param_sha256"] == reference[1]["param_sha256"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_kill_during_save_never_picks_partial(tmp_path, reference):
     """Saving is slowed so that a SIGKILL lands inside a save; the half-written folder is ignored."""
@@ -99,6 +103,7 @@ def test_kill_during_save_never_picks_partial(tmp_path, reference):
     assert read_json(tmp_path / "summary.json")["param_sha256"] == reference[1]["param_sha256"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_change_world_size(tmp_path, reference, before, after):
@@ -111,6 +116,7 @@ def test_change_world_size(tmp_path, reference, before, after):
     assert abs(summary["eval_accuracy"] - reference[after]["eval_accuracy"]) <= 0.02
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_async_save_same_result_and_retention(tmp_path, reference):
     job(tmp_path, 2, "--async_ckpt", "true", "--keep_last", "2")
@@ -121,6 +127,7 @@ def test_async_save_same_result_and_retention(tmp_path, reference):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_44"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_resume_never_and_explicit_path(tmp_path, reference):
     job(tmp_path, 1, "--inject", "kill:rank=0:step=11", expect_ok=False)
@@ -148,6 +155,7 @@ def constant_lr_reference(tmp_path_factory):
     return read_json(d / "summary.json")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("restart", ["never", "older"])
 def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, constant_lr_reference, restart):
@@ -174,6 +182,7 @@ def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, constant_lr_r
     assert steps == sorted(set(steps)), f"metrics.jsonl repeats steps after a resume: {steps}"
 
 
+@pytest.mark.integration
 def test_checkpoint_cli_list_and_export(tmp_path):
     ok(run_cmd([sys.executable, *train_args(tmp_path, "--max_steps", "10")]))
     (tmp_path / "checkpoints" / "step_10" / "rank0.pt").write_bytes(b"junk")
@@ -192,6 +201,7 @@ def test_checkpoint_cli_list_and_export(tmp_path):
 
 def _alone():
     import torch
+
     from ddp_kit.dist import DistContext
     from ddp_kit.env import DistEnv
 
@@ -202,11 +212,12 @@ def test_nonfinite_check_before_a_save_reads_once_however_many_tensors(monkeypat
     """Every read of a tensor's value by the host (on a GPU, a sync) is counted: one for the whole
     state, also when it names the bad tensors."""
     import torch
+
     from ddp_kit.checkpoint.checkpointer import nonfinite_tensors
 
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=getattr(torch.Tensor, name), _n=name:
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=getattr(torch.Tensor, name), _n=name:  # noqa: B008 (bound now, per name)
                             (reads.append(_n), _f(self, *a))[1])
     state = {f"layer{i}.weight": torch.randn(4, 4) for i in range(50)}
     state.update({"steps": torch.tensor(3), "empty": torch.empty(0), "note": "not a tensor"})
@@ -228,6 +239,7 @@ class _FakeHostBuffer:
 
 def test_close_frees_the_host_buffers_an_async_save_keeps(tmp_path):
     import torch
+
     from ddp_kit.checkpoint.checkpointer import Checkpointer
 
     ck = Checkpointer(_alone(), tmp_path, async_save=True)
@@ -242,6 +254,7 @@ def test_close_frees_the_host_buffers_an_async_save_keeps(tmp_path):
 
 def test_run_close_frees_the_checkpointers_host_buffers(tmp_path):
     import torch
+
     import ddp_kit
     from ddp_kit.env import DistEnv
 
@@ -263,6 +276,7 @@ def test_stager_probe_keeps_todays_path_where_copies_are_not_kept():
     """torch 2.11's DefaultStager drops its copies after each save: reusing it would copy into fresh
     memory (page-locked anew on a GPU) every time, so DCP's own staging stays."""
     import torch
+
     from ddp_kit.checkpoint.checkpointer import _stager_reuses
 
     class Forgetful:  # as torch 2.11's: a fresh copy at every stage()
@@ -316,6 +330,7 @@ def _sharded_saves(tmp_path, ctx, w):
 
 def test_async_sharded_saves_copy_into_one_kept_stager(tmp_path, one_rank_group, monkeypatch):
     import torch
+
     from ddp_kit.checkpoint.checkpointer import reusable_stager
 
     if reusable_stager(torch.device("cpu")) is None:
@@ -330,6 +345,7 @@ def test_async_sharded_saves_copy_into_one_kept_stager(tmp_path, one_rank_group,
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_async_sharded_saves_stage_into_kept_page_locked_copies_on_gpu(tmp_path, one_rank_group, monkeypatch):
     import torch
+
     from ddp_kit.checkpoint.checkpointer import reusable_stager
     from ddp_kit.dist import DistContext
     from ddp_kit.env import DistEnv

@@ -4,6 +4,7 @@ import pytest
 
 def _alone():
     import torch
+
     from ddp_kit.dist import DistContext
     from ddp_kit.env import DistEnv
 
@@ -50,6 +51,7 @@ def test_open_backend_refuses_what_it_cannot_store_to_in_one_line(location, said
 
 def test_a_backend_saves_finds_prunes_and_archives_through_the_interface(tmp_path):
     import torch
+
     from ddp_kit.checkpoint import open_backend
 
     root, ctx = tmp_path / "checkpoints", _alone()

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import ok, run_cmd
 
+pytestmark = pytest.mark.integration  # every test here starts real processes
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, read_json, run_cmd, torchrun
-from ddp_kit.train.config import TrainConfig, resolve
 from ddp_kit.errors import UserError
+from ddp_kit.train.config import TrainConfig, resolve
 
 
 def test_precedence_defaults_yaml_flags(tmp_path):
@@ -145,6 +145,7 @@ def _one_line_error(res, *needles):
     return ours[0]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args,needles", [
     (["--epoch", "3"], ["'epoch'"]),
     (["--epochs", "abc"], ["'epochs'", "int"]),
@@ -158,6 +159,7 @@ def test_cli_bad_input_one_line_exit_2(args, needles, tmp_path):
     _one_line_error(_train(*args, "--run_dir", str(tmp_path / "r")), *needles)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_torchrun_batch_not_divisible_printed_once(tmp_path):
     res = torchrun(["-m", "ddp_kit.train", "--batch_size", "63", "--run_dir", str(tmp_path / "r")], nproc=2)
@@ -166,6 +168,7 @@ def test_torchrun_batch_not_divisible_printed_once(tmp_path):
     assert len(ours) == 1 and "world_size 2" in ours[0], res.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", ["duplicate", "utf16", "folder", "unreadable"])
 def test_cli_bad_config_file_one_line_exit_2(case, tmp_path):
     if case == "duplicate":
@@ -179,17 +182,20 @@ def test_cli_bad_config_file_one_line_exit_2(case, tmp_path):
     _one_line_error(_train(path, "--dry_run", "true", "--run_dir", str(tmp_path / "r")), path, *needles)
 
 
+@pytest.mark.integration
 def test_cli_yaml_amp_off_dry_run(tmp_path):
     res = ok(_train(_yaml(tmp_path, "amp: off\n"), "--dry_run", "true", "--run_dir", str(tmp_path / "r")))
     assert "amp: 'off'" in res.stdout or "amp: off" in res.stdout
 
 
+@pytest.mark.integration
 def test_dry_run_prints_resolved_config(tmp_path):
     res = _train("--dry_run", "--lr", "0.5", "--run_dir", str(tmp_path / "r"))
     assert res.returncode == 0 and "lr: 0.5" in res.stdout and "per-rank micro-batch 64" in res.stdout
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.integration
 def test_comma_list_flag_survives_fire(tmp_path):
     """fire turns `--fsdp_blocks Block,Embedding` into a tuple; the key still gets the comma list."""
     res = ok(_train("--dry_run", "--strategy", "fsdp", "--fsdp_blocks", "Linear,ReLU", "--run_dir", str(tmp_path / "r")))
@@ -207,6 +213,7 @@ def test_fsdp_options_under_ddp_name_what_was_given(flags, named):
     assert given == named, err.value.message
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flag", ["--help", "-h", "--help_config"])
 def test_help_lists_every_config_key(flag, tmp_path):
     res = ok(_train(flag, cwd=tmp_path))
@@ -218,7 +225,7 @@ def test_help_lists_every_config_key(flag, tmp_path):
 # ---- resuming with a changed recipe ----------------------------------------------------------------
 
 def test_recipe_changes_split_refused_and_allowed():
-    from ddp_kit.train.config import recipe_changes
+    from ddp_kit.reliability import recipe_changes
 
     saved = resolve(None, {"inject": "kill:rank=0:step=3"}).to_dict()
     current = resolve(None, {"lr": 0.01, "optimizer": "sgd", "epochs": 30, "log_every": 7, "resume": "never"}).to_dict()
@@ -229,7 +236,7 @@ def test_recipe_changes_split_refused_and_allowed():
 
 
 def test_recipe_changes_ignores_keys_one_side_lacks():
-    from ddp_kit.train.config import recipe_changes
+    from ddp_kit.reliability import recipe_changes
 
     saved = {k: v for k, v in resolve(None, {}).to_dict().items() if k != "momentum"}
     saved["removed_key"] = 1
@@ -237,7 +244,8 @@ def test_recipe_changes_ignores_keys_one_side_lacks():
 
 
 def test_resumable_keys_are_config_keys():
-    from ddp_kit.train.config import FIELDS, NOT_RECIPE, RESUMABLE
+    from ddp_kit.reliability import NOT_RECIPE, RESUMABLE
+    from ddp_kit.train.config import FIELDS
 
     assert RESUMABLE <= set(FIELDS) and NOT_RECIPE <= RESUMABLE
     assert not {"lr", "optimizer", "batch_size", "seed", "model", "dataset", "amp", "lr_schedule"} & RESUMABLE
@@ -262,6 +270,7 @@ def _rerun(finished_run, tmp_path, *args):
     return d, _train(*ONE_EPOCH, "--run_dir", str(d), *args)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args,needles", [
     (["--lr", "0.01"], ["lr 0.003 -> 0.01"]),
     (["--optimizer", "sgd"], ["optimizer adamw -> sgd"]),  # was KeyError: 'momentum' with a traceback
@@ -275,6 +284,7 @@ def test_resume_with_changed_recipe_refused(finished_run, tmp_path, args, needle
     assert (d / "summary.json").read_text() == (finished_run / "summary.json").read_text()
 
 
+@pytest.mark.integration
 def test_resume_with_more_epochs_continues(finished_run, tmp_path):
     d, res = _rerun(finished_run, tmp_path, "--epochs", "2")
     ok(res)

@@ -15,6 +15,7 @@ def gpus(n=None):
     return {"CUDA_VISIBLE_DEVICES": visible if n is None else ",".join(visible.split(",")[:n])}
 
 
+@pytest.mark.integration
 def test_one_gpu_bf16(tmp_path):
     ok(run_cmd([sys.executable, "-m", "ddp_kit.train", "--epochs", "3", "--amp", "bf16", "--device", "cuda",
                 "--progress", "false", "--run_dir", str(tmp_path)], env=gpus(1)))
@@ -22,6 +23,7 @@ def test_one_gpu_bf16(tmp_path):
     assert s["device"] == "cuda:0" and s["backend"] == "nccl" and s["eval_accuracy"] > 0.9
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_nccl(tmp_path):
     ok(torchrun(["-m", "ddp_kit.train", "--epochs", "3", "--progress", "false", "--run_dir", str(tmp_path)], nproc=2,
@@ -30,6 +32,7 @@ def test_two_gpus_nccl(tmp_path):
     assert s["backend"] == "nccl" and s["world_size"] == 2 and s["eval_samples"] == 360
 
 
+@pytest.mark.integration
 def test_oom_prints_memory_report_and_advice(tmp_path):
     res = run_cmd([sys.executable, "-m", "ddp_kit.train", "--model", "resnet18", "--dataset", "synthetic",
                    "--synthetic_size", "4096", "--batch_size", "4096", "--epochs", "1", "--device", "cuda",
@@ -65,6 +68,7 @@ def test_steady_state_steps_make_no_host_sync(tmp_path):
     run.close()
 
 
+@pytest.mark.integration
 def test_checkpoints_written_on_gpu_load_without_one(tmp_path):
     from ddp_kit.checkpoint.checkpointer import Checkpointer
     from ddp_kit.dist import distributed
@@ -104,6 +108,7 @@ def test_gpu_spans_see_a_slowed_gpu():
     assert times[50_000_000]["local_s"] >= times[50_000_000]["gpu_forward_s"]
 
 
+@pytest.mark.integration
 def test_straggler_named_from_gpu_time_on_one_gpu():
     from conftest import ROOT
     res = ok(torchrun([str(ROOT / "bench" / "gpu_straggler.py")], nproc=2, env=gpus(1), timeout=240))
@@ -111,6 +116,7 @@ def test_straggler_named_from_gpu_time_on_one_gpu():
     assert len(lines) == 1 and "rank 1" in lines[0] and "GPU forward" in lines[0], res.stdout
 
 
+@pytest.mark.integration
 def test_fsdp_on_one_gpu_async_sharded_checkpoint_resumes(tmp_path):
     """strategy fsdp at world size 1 on a GPU: DCP checkpoints, async (a gloo group of their own beside
     NCCL), resumed by a second run."""
@@ -122,6 +128,7 @@ def test_fsdp_on_one_gpu_async_sharded_checkpoint_resumes(tmp_path):
     assert "resumed from" in res.stdout and read_json(tmp_path / "summary.json")["steps"] == 30
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("offload", ["false", "true"])
 def test_fsdp_two_gpus_bf16(tmp_path, offload):

@@ -77,6 +77,7 @@ def test_per_rank_batch_refuses_uneven():
         per_rank_batch(30, 4)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_shards_with_two_real_processes(tmp_path):
     ok(torchrun([str(HELPERS / "shards.py"), str(tmp_path), "101", "37", "10"]))

@@ -6,9 +6,28 @@ import sys
 import pytest
 
 from conftest import run_cmd, torchrun
-from ddp_kit.doctor.checks import (FAIL, OK, SKIP, WARN, bf16, cuda_availability, diagnose, driver_version, exit_code,
-                                   gpu_arch, gpu_memory_taken, limits, local_rank_fits, master, mig, nccl, shm, slurm_gpus,
-                                   versions, visible_devices)
+from ddp_kit.doctor.checks import (
+    FAIL,
+    OK,
+    SKIP,
+    WARN,
+    bf16,
+    cuda_availability,
+    diagnose,
+    driver_version,
+    exit_code,
+    gpu_arch,
+    gpu_memory_taken,
+    limits,
+    local_rank_fits,
+    master,
+    mig,
+    nccl,
+    shm,
+    slurm_gpus,
+    versions,
+    visible_devices,
+)
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_mb": 81559.0, "memory_used_mb": 4.0, "capability": "9.0"}
 GOOD = {
@@ -177,6 +196,7 @@ def test_exit_codes():
     assert exit_code(diagnose(broken(nofile_limit=1024))) == 1
 
 
+@pytest.mark.integration
 def test_doctor_runs_here_and_explains_cuda():
     res = run_cmd([sys.executable, "-m", "ddp_kit.doctor", "--json"], env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode in (0, 1, 2)
@@ -191,6 +211,7 @@ def test_doctor_runs_here_and_explains_cuda():
     assert "CUDA available" in table.stdout and table.returncode == res.returncode
 
 
+@pytest.mark.integration
 def test_doctor_json_with_active_checks_is_pure_json_on_stdout():
     """--json --comm and --json --memory (real processes, run side by side): stdout parses as JSON
     even though the active checks start a process group, whose startup line goes to stderr."""
@@ -209,6 +230,7 @@ def test_doctor_json_with_active_checks_is_pure_json_on_stdout():
     assert results["comm"].stdout and json.loads(results["comm"].stdout)["comm"]["world_size"] == 1
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_doctor_comm_under_torchrun():
     res = torchrun(["-m", "ddp_kit.doctor", "--comm", "--comm_max_mb", "1"], nproc=2)

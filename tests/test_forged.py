@@ -60,6 +60,7 @@ def runs(tmp_path_factory):
     return d
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_forged_newest_checkpoint_runs_no_code(runs, tmp_path, strategy):

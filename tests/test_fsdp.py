@@ -50,6 +50,7 @@ def runs(tmp_path_factory):
     return d
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fsdp_loss_matches_ddp_and_each_rank_holds_half_the_state(runs):
     ddp, fsdp = records(runs / "ddp2"), records(runs / "fsdp2")
@@ -64,6 +65,7 @@ def test_fsdp_loss_matches_ddp_and_each_rank_holds_half_the_state(runs):
     assert summary["eval_loss"] == pytest.approx(read_json(runs / "ddp2" / "summary.json")["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fsdp_at_4_ranks_holds_a_quarter_and_matches_2_ranks(runs):
     four, two = records(runs / "fsdp4"), records(runs / "fsdp2")
@@ -76,6 +78,7 @@ def test_fsdp_at_4_ranks_holds_a_quarter_and_matches_2_ranks(runs):
     assert all(0.22 <= r <= 0.30 for r in ratios), ratios  # 1/4, plus padding of the small biases
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fsdp_sigkill_under_max_restarts_resumes_to_the_same_weights(tmp_path, runs):
     """Async sharded saves, rank 1 SIGKILLed at step 13: torchrun restarts both ranks, they resume
@@ -93,6 +96,7 @@ def test_fsdp_sigkill_under_max_restarts_resumes_to_the_same_weights(tmp_path, r
     assert not (step / "model.pt").exists()  # the weights live in the shards only
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fsdp_preemption_of_one_process_checkpoints_shards_that_2_ranks_resume(tmp_path, runs):
     """`python -m ddp_kit.train --strategy fsdp` (one process, a mesh of one) gets SIGTERM (by PID)
@@ -120,6 +124,7 @@ def test_fsdp_preemption_of_one_process_checkpoints_shards_that_2_ranks_resume(t
     assert summary["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fsdp_hang_is_diagnosed_by_the_watchdog(tmp_path):
     """Rank 1 stops at step 7; rank 0 waits in FSDP's next all-gather. The watchdog names rank 1 and
@@ -132,6 +137,7 @@ def test_fsdp_hang_is_diagnosed_by_the_watchdog(tmp_path):
     assert any(line.strip().startswith("rank 1") and "after step" in line for line in lines), lines
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fsdp_with_torch_compile_follows_the_eager_loss(tmp_path, runs):
     """--compile true under FSDP (the model is compiled after fully_shard): the same losses as eager
@@ -144,6 +150,7 @@ def test_fsdp_with_torch_compile_follows_the_eager_loss(tmp_path, runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_4_rank_checkpoint_resumes_on_2_ranks_past_a_damaged_shard(tmp_path, runs):
     """4 ranks die at step 17; step_15's rank-3 shard is then damaged: 2 ranks fall back to step_10,
@@ -162,6 +169,7 @@ def test_a_4_rank_checkpoint_resumes_on_2_ranks_past_a_damaged_shard(tmp_path, r
     assert summary["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_export_of_a_sharded_checkpoint_loads_into_a_plain_model(tmp_path, runs):
     """One process, no process group: the consolidated file is the 4-rank run's final weights."""
@@ -175,12 +183,14 @@ def test_export_of_a_sharded_checkpoint_loads_into_a_plain_model(tmp_path, runs)
     assert param_sha256(model) == read_json(runs / "fsdp4" / "summary.json")["param_sha256"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_sharded_checkpoint_is_not_resumed_as_ddp(tmp_path, runs):
     res = run_cmd([sys.executable, *BASE, "--run_dir", str(runs / "fsdp2"), "--epochs", "3"])
     assert res.returncode == 2 and "strategy fsdp -> ddp" in res.stderr, res.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_eval_loader_made_before_fsdp_prepare_is_refused(tmp_path):
     """Its batches were split for DDP (17 and 16 samples: 5 and 4 batches), which would leave rank 0
@@ -190,6 +200,7 @@ def test_eval_loader_made_before_fsdp_prepare_is_refused(tmp_path):
     assert res.returncode != 0 and len(errors) == 1 and "run.eval_loader was called before" in errors[0], res.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sync_check_under_fsdp_compares_buffers_and_optimizer_step(tmp_path):
     ok(torchrun([str(HELPERS / "fsdp_sync.py"), str(tmp_path)], nproc=2))
@@ -204,6 +215,7 @@ def test_sync_check_under_fsdp_compares_buffers_and_optimizer_step(tmp_path):
     assert list(full) == list(before) and all(torch.equal(full[k], before[k]) for k in before), (full, before)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flags,said", [
     (["--sync_bn", "true"], "--sync_bn True is a DDP option"),
     (["--amp", "fp16"], "--amp fp16 does not combine with --strategy fsdp"),
@@ -280,6 +292,7 @@ def test_tied_weights_stay_in_one_unit():
     assert _units(r, None) == list(r.blocks) and _units(r, ["Sequential"]) == list(r.blocks)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_model_with_tied_weights_trains_under_fsdp_as_under_ddp(tmp_path):
     env = {"PYTHONPATH": str(HELPERS)}

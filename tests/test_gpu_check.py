@@ -34,6 +34,7 @@ def stand_in_venv(where: Path) -> Path:
     return where / "bin" / "python"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_device_command_rehearsed_without_fire_and_without_an_index(tmp_path):
     python = stand_in_venv(tmp_path / "venv")
@@ -62,6 +63,7 @@ def test_the_device_command_rehearsed_without_fire_and_without_an_index(tmp_path
     assert (out / "gpu_check.log").is_file()
 
 
+@pytest.mark.integration
 def test_a_part_that_hangs_or_crashes_loses_only_itself(tmp_path):
     """Real subprocesses: a part past its limit is killed and FAILs; one that dies before reporting
     FAILs with its last line; the next part still runs; the results file stays valid JSON."""

@@ -43,6 +43,7 @@ def test_cpu_snapshot_and_rng_state_round_trip():
     assert torch.equal(torch.rand(3), a) and "cuda_own" not in saved
 
 
+@pytest.mark.integration
 def test_deterministic_run_trains_the_same_weights(tmp_path):
     """--deterministic true turns on torch's deterministic algorithms (and cuDNN's on a GPU); on CPU the
     default kernels are deterministic already, so the weights must not change."""

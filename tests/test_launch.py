@@ -7,6 +7,8 @@ import pytest
 
 from conftest import ROOT, run_cmd
 
+pytestmark = pytest.mark.integration  # every test here starts real processes
+
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {
     "launch_srun.sbatch": ["--layout", "srun", "--nodes", "2", "--gpus_per_node", "4", "--partition", "gpu", "--time",

@@ -19,6 +19,7 @@ def _batches(loader, epochs=2):
     return [b for _ in range(epochs) for b in loader]
 
 
+@pytest.mark.integration
 def test_augmentation_does_not_depend_on_the_number_of_workers():
     """Each batch is loaded under its own seed: which worker loads it (and what it loaded before) does not matter."""
     def run(workers):
@@ -48,6 +49,7 @@ def _alive(pid):
     return "State:\tZ" not in status
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("parallel_before", [False, True])
 def test_worker_ignores_stop_signals_except_from_its_rank(parallel_before):
     """parallel_before: the rank computed on 2 intra-op threads before the fork, as a training rank
@@ -72,6 +74,7 @@ def test_worker_ignores_stop_signals_except_from_its_rank(parallel_before):
     assert worker.exitcode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigterm_to_process_group_with_workers_still_checkpoints(tmp_path):
     """torchrun signals each rank's whole process group, loader workers included: the rank must still save."""
@@ -97,6 +100,7 @@ def _records(path):
     return torch.load(path, weights_only=False)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resumed_augmentation_is_bit_identical(tmp_path, workers):
@@ -114,12 +118,14 @@ def test_resumed_augmentation_is_bit_identical(tmp_path, workers):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {r} step {k}: {a} != {b}"
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's, at construction: none are started
 def test_automatic_workers_fit_the_data_and_the_users_count_is_kept():
     """The reference job's automatic count (8 on a GPU node with CPUs to spare; the GPU stands in as a
     device type only) starts none for an in-memory TensorDataset and never more than an epoch's batches;
     a count set on the user's own DataLoader is kept as set."""
     from torch.utils.data import DataLoader
+
     from ddp_kit.env import DistEnv
     from ddp_kit.resources import loader_workers
     from test_api_loader import _runs

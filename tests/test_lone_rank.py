@@ -3,12 +3,13 @@ main_only() runs a DDP forward locally and refuses torch's own collectives at on
 with an empty shard; the reported eval loss is the exported checkpoint's; a hang inside main_only()
 names the rank that is in it."""
 import re
-import sys
 
 import pytest
 import torch
 
 from conftest import HELPERS, ok, read_json, torchrun
+
+pytestmark = pytest.mark.integration  # every test here starts real processes
 
 
 def lines(res, prefix):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REFERENCE_3_EPOCHS, ROOT, proc_env, read_json
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"),
                                  reason="needs root, iproute2 and unshare")]
 ARGS = [*REFERENCE_3_EPOCHS, "--hang_timeout_s", "60"]  # epochs 3, as test_slurm's: one reference run for both

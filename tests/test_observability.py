@@ -32,6 +32,7 @@ def test_step_timer_window():
     assert w["local_s"] == pytest.approx(w["step_s"] - w["backward_s"])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_slowed_rank_is_named_and_stands_out_in_report(tmp_path, capsys):
     res = ok(torchrun(["-m", "ddp_kit.train", "--epochs", "3", "--log_every", "5", "--progress", "false",
@@ -53,6 +54,7 @@ def test_slowed_rank_is_named_and_stands_out_in_report(tmp_path, capsys):
     assert rows[0].startswith("step,epoch,rank") and len(rows) == 1 + 2 * len(train)
 
 
+@pytest.mark.integration
 def test_run_without_tensorboard_is_quiet(tmp_path):
     try:
         import tensorboard  # noqa: F401
@@ -87,6 +89,7 @@ def test_flight_recorder_dumps_are_named_as_fr_trace_reads_them(tmp_path):
     import pickle
 
     from torch.distributed.flight_recorder.components import loader
+
     from ddp_kit.reliability.watchdog import flight_recorder_path
 
     for r in (0, 1, 10):

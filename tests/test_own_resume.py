@@ -9,6 +9,8 @@ import pytest
 
 from conftest import HELPERS, ok, run_cmd
 
+pytestmark = pytest.mark.integration  # every test here starts real processes
+
 SCRIPT = str(HELPERS / "recipe_script.py")
 
 

@@ -69,6 +69,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_sigkill_with_max_restarts_resumes_bit_identical(tmp_path, name, reference):
@@ -79,6 +80,7 @@ def test_sigkill_with_max_restarts_resumes_bit_identical(tmp_path, name, referen
     assert same(final_weights(tmp_path, name), reference[name])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, name, reference):
@@ -95,6 +97,7 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, n
     assert same(final_weights(tmp_path, name), reference[name])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
     hang = 8
@@ -106,6 +109,7 @@ def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
     assert (tmp_path / "runs/digits/hang/rank1.txt").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_a_rank_that_raises_is_printed_once_and_every_rank_stops(tmp_path, name):
@@ -118,6 +122,7 @@ def test_a_rank_that_raises_is_printed_once_and_every_rank_stops(tmp_path, name)
     assert p.returncode != 0
 
 
+@pytest.mark.integration
 def test_without_a_launcher_the_example_runs_as_one_process(tmp_path):
     res = ok(run_cmd([sys.executable, str(ROOT / "examples/trainer/ddp.py"), "2", "1", "64"], cwd=tmp_path))
     assert "epoch 1:" in res.stdout
@@ -125,6 +130,7 @@ def test_without_a_launcher_the_example_runs_as_one_process(tmp_path):
     assert "resumed from" in again.stdout and "epoch 1:" not in again.stdout  # finished: nothing left to train
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["explicit", "implicit"])
 def test_a_checkpoint_never_falls_between_an_epochs_last_step_and_its_end_of_epoch_work(tmp_path, mode):
@@ -141,6 +147,7 @@ def test_a_checkpoint_never_falls_between_an_epochs_last_step_and_its_end_of_epo
     assert same(ref, got)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("code", [
     "model = run.prepare(raw)\nrun.resume(optimizer=opt)\nrun.prepare(torch.nn.Linear(2, 2))",
     "model = run.prepare(raw)\nrun.resume(model=raw, optimizer=opt)\nrun.save()",
@@ -168,6 +175,7 @@ def test_registration_rules(tmp_path, code):
         assert (step / "model.pt").exists()
 
 
+@pytest.mark.integration
 def test_a_failure_of_the_final_checkpoint_at_exit_sets_the_exit_code(tmp_path):
     """The final checkpoint runs among Python's exit hooks, where an exception would be printed and
     ignored (exit 0). A NaN loss found there is one line and exit 2, and nothing is saved."""

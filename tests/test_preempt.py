@@ -11,6 +11,8 @@ import pytest
 
 from conftest import REFERENCE_2_EPOCHS, ROOT, ok, proc_env, read_json, run_cmd
 
+pytestmark = pytest.mark.integration  # every test here starts real processes
+
 # 44 steps; SIGTERM lands after step 10 and the ranks agree on it every 10 steps. No timed checkpoint
 # before the end: the one the test finds is the stop's own.
 ARGS = ["-m", "ddp_kit.train", "--epochs", "2", "--log_every", "5", "--ckpt_every", "100", "--progress", "false"]

@@ -85,6 +85,7 @@ def group_alive(pgid: int) -> list[int]:
 
 # ---- issue 11 ----------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_batchnorm_model_passes_sync_checks(tmp_path, nproc):
@@ -98,6 +99,7 @@ def test_batchnorm_model_passes_sync_checks(tmp_path, nproc):
     assert bad.returncode != 0 and len(lines) == 1 and "rank 1" in lines[0] and "running_" not in lines[0], bad.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sync_bn_on_cpu_refused_up_front(tmp_path):
     res = train(tmp_path, "--model", "cnn", "--sync_bn", "true", "--epochs", "1", nproc=2)
@@ -106,6 +108,7 @@ def test_sync_bn_on_cpu_refused_up_front(tmp_path):
     assert len(lines) == 1 and "sync_bn needs GPUs" in lines[0] and "hint:" in lines[0], res.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("hang_timeout", ["180", "0"])  # 0: the watchdog is off, fail-fast must still work
 def test_failure_on_one_rank_only_is_printed_by_that_rank(tmp_path, hang_timeout):
@@ -125,6 +128,7 @@ def test_failure_on_one_rank_only_is_printed_by_that_rank(tmp_path, hang_timeout
     assert took < 40, f"took {took:.0f}s: rank 0 waited for the timeout"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigterm_while_waiting_in_the_rendezvous_exits_75_at_once(tmp_path):
     """Rank 0 of 2 waits for a rank 1 that never comes: SIGTERM must end it now, not after init_timeout_s."""
@@ -147,6 +151,7 @@ def test_sigterm_while_waiting_in_the_rendezvous_exits_75_at_once(tmp_path):
     assert "preempted by SIGTERM (before step 1)" in err and "Traceback" not in workers(err), err[-2000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigterm_during_a_checkpoint_stops_right_after_it(tmp_path):
     """A signal that lands inside a (slow) checkpoint is acted on when the save ends, at that step,
@@ -160,6 +165,7 @@ def test_sigterm_during_a_checkpoint_stops_right_after_it(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_5"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_compile_step_counts_as_startup_not_as_a_hang(tmp_path):
     """torch.compile's first step takes longer than this hang timeout; it must not be reported as a hang
@@ -172,6 +178,7 @@ def test_compile_step_counts_as_startup_not_as_a_hang(tmp_path):
     assert all("step 1 is taking long" in ln for ln in said), res.stderr[-2000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_rendezvous_on_a_foreign_port_is_bounded(tmp_path):
     """A program that accepts connections and never answers holds MASTER_PORT: rank 1 must give up
@@ -228,6 +235,7 @@ def test_threads_per_rank_one_rule():
 
 # ---- issue 16 ----------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_second_job_in_the_same_run_dir_is_refused_and_a_killed_one_is_not(tmp_path):
     first = popen([sys.executable, "-m", "ddp_kit.train", *FAST, "--run_dir", str(tmp_path), "--epochs", "20",
@@ -246,6 +254,7 @@ def test_second_job_in_the_same_run_dir_is_refused_and_a_killed_one_is_not(tmp_p
     assert "resumed from" in again.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_run_dir_under_a_regular_file_is_one_line(tmp_path, nproc):
@@ -260,6 +269,7 @@ def _root_mount(*args) -> bool:
     return os.geteuid() == 0 and subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_read_only_run_dir_is_one_line(tmp_path):
     ro = tmp_path / "ro"
@@ -274,6 +284,7 @@ def test_read_only_run_dir_is_one_line(tmp_path):
     assert res.returncode != 0 and len(lines) == 1 and "read-only" in lines[0], res.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_disk_full_while_checkpointing(tmp_path):
     """The run folder is a 12 MiB tmpfs; each checkpoint of this MLP (3072-256-10 + AdamW) is ~9.5 MiB,
@@ -297,6 +308,7 @@ def test_disk_full_while_checkpointing(tmp_path):
     assert "step_3" in left and "valid" in listing, listing
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_nan_loss_stops_and_never_becomes_latest(tmp_path):
     res = train(tmp_path, "--epochs", "2", "--ckpt_every", "5", "--keep_last", "1", "--log_every", "100",
@@ -308,6 +320,7 @@ def test_nan_loss_stops_and_never_becomes_latest(tmp_path):
     assert (ckpts / "latest").read_text().strip() == "step_5" and sorted(p.name for p in ckpts.glob("step_*")) == ["step_5"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, launcher):
@@ -339,6 +352,7 @@ def test_allocator_tuning_yields_to_the_user():
     assert tune_allocator({"MALLOC_ARENA_MAX": "8"}) is False
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["verdict", "local", "plain"])
 def test_a_verdict_every_rank_reaches_is_not_echoed_by_a_late_rank(kind):
     """CI once printed a sync check's divergence twice: rank 0 was slow to reach the verdict and its

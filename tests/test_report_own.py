@@ -116,6 +116,7 @@ def test_nothing_drawable_is_one_line_with_a_hint(tmp_path, capsys):
     assert not (tmp_path / "report.png").exists()
 
 
+@pytest.mark.integration
 def test_command_end_to_end_on_an_own_script_run(tmp_path):
     _write(tmp_path, OWN, tail='{"event": "val", "st')
     res = run_cmd([sys.executable, "-m", "ddp_kit.report", str(tmp_path)], timeout=120)

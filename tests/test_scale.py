@@ -54,6 +54,7 @@ def ours(res):
     return [line for line in res.stderr.splitlines() if line.startswith(("ddp_kit:", "  rank"))]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_divergence_names_the_rank_among_four(tmp_path):
     res, _ = faulty(tmp_path, "perturb:rank=2:step=5")
@@ -63,6 +64,7 @@ def test_divergence_names_the_rank_among_four(tmp_path):
     assert "rank 1" not in lines[0] and "rank 3" not in lines[0], lines[0]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_hang_report_names_the_lagging_rank_among_four(tmp_path):
     res, took = faulty(tmp_path, "hang:rank=3:step=5")
@@ -74,6 +76,7 @@ def test_hang_report_names_the_lagging_rank_among_four(tmp_path):
     assert took < HANG + 10 + 15, took
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_straggler_named_among_four_with_summarised_records(tmp_path):
     """rank_records_max=2 at 4 ranks: metrics.jsonl holds median/max/argmax per field, and the slowed rank
@@ -92,6 +95,7 @@ def test_straggler_named_among_four_with_summarised_records(tmp_path):
     assert train[-1]["rank_summary"]["local_s"]["argmax"] == 2, train[-1]["rank_summary"]["local_s"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_control_traffic_runs_on_the_side_group(tmp_path):
     """Every control-plane collective (agreement, preemption flag, NaN guard, log numbers, rank metrics,
@@ -106,6 +110,7 @@ def test_control_traffic_runs_on_the_side_group(tmp_path):
         assert "rank 1" in (r["diverged"] or "") and "weight" in r["diverged"], r
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_frozen_rank_is_named_from_its_silent_heartbeat(tmp_path):
     """SIGSTOP on rank 1 mid-run: its sockets stay open, so no collective fails, and the hang timeout is

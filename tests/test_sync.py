@@ -3,6 +3,8 @@ import pytest
 
 from conftest import HELPERS, ok, since_ranks_met, torchrun
 
+pytestmark = pytest.mark.integration  # every test here starts real processes
+
 HANG = 8
 COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "60",
           "--sync_check_every", "5"]

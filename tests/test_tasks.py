@@ -25,6 +25,7 @@ def job(cwd, *args, nproc=2):
                    cwd=cwd)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_dict_batches_and_a_custom_loss_train_under_torchrun(cwd):
     res = ok(job(cwd, *TASK, "--model_args", '{"hidden": 32}', "--dataset_args", '{"n": 256}', "--batch_size", "32"))
@@ -39,6 +40,7 @@ def test_dict_batches_and_a_custom_loss_train_under_torchrun(cwd):
     assert records[-1]["loss"] < records[0]["loss"]  # it learns
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, says", [
     (["--model", "nosuchmodule:model"], "--model nosuchmodule:model: no module named 'nosuchmodule'"),
     (["--model", "mytask:nope"], "--model mytask:nope: module mytask has no 'nope'"),
@@ -56,6 +58,7 @@ def test_a_bad_task_is_one_line_and_exit_2(cwd, args, says):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_bad_path_under_torchrun_is_printed_once(cwd):
     res = job(cwd, "--model", "mytask:nope")
@@ -64,6 +67,7 @@ def test_a_bad_path_under_torchrun_is_printed_once(cwd):
     assert len(lines) == 1 and "module mytask has no 'nope'" in lines[0], res.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_default_loss_refuses_dict_batches_in_one_line(cwd):
     res = job(cwd, "--model", "mytask:model", "--dataset", "mytask:data", nproc=1)
     assert res.returncode == 2
@@ -71,6 +75,7 @@ def test_default_loss_refuses_dict_batches_in_one_line(cwd):
     assert len(lines) == 1 and "the default loss cross_entropy needs (inputs, targets) batches" in lines[0], res.stderr[-2000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_user_task_killed_under_max_restarts_resumes_bit_identical(cwd):
     """A task module by import path gets what the built-in tasks get: SIGKILL of rank 1 under
@@ -120,12 +125,14 @@ def test_the_kept_import_path_tasks_is_the_library_losses():
     assert OLD is LOSSES and "cross_entropy" in LOSSES
 
 
+@pytest.mark.integration
 def test_importing_the_datasets_loads_neither_sklearn_nor_torchvision():
     code = ("import sys, ddp_kit.datasets\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy', 'torchvision')))")
     assert ok(run_cmd([sys.executable, "-c", code])).stdout.strip() == "[]"
 
 
+@pytest.mark.integration
 def test_the_run_answers_the_micro_batch_and_the_loader_workers():
     code = ("import ddp_kit\n"
             "from ddp_kit.errors import UserError\n"

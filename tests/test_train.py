@@ -18,6 +18,7 @@ def _job(tmp, nproc, *flags):
     return ok(torchrun([str(HELPERS / "job.py"), str(tmp), *flags], nproc=nproc))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tmp_path):
     _job(tmp_path / "one", 1, *FAST)
@@ -33,6 +34,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert any(json.loads(line)["event"] == "train" for line in lines)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_grad_accum_equals_bigger_micro_batch(tmp_path):
     flags = ["--epochs", "2", "--batch_size", "64", "--lr_schedule", "constant"]
@@ -46,6 +48,7 @@ def test_grad_accum_equals_bigger_micro_batch(tmp_path):
         torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_concurrent_two_rank_runs(tmp_path):
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ddp_kit.train",
@@ -59,6 +62,7 @@ def test_two_concurrent_two_rank_runs(tmp_path):
         assert read_json(tmp_path / f"r{i}" / "summary.json")["eval_samples"] == 360
 
 
+@pytest.mark.integration
 def test_single_process_default_job_learns(tmp_path):
     res = ok(run_cmd([sys.executable, "-m", "ddp_kit.train", "--run_dir", str(tmp_path / "r"), "--progress", "false"]))
     summary = read_json(tmp_path / "r" / "summary.json")
@@ -75,6 +79,7 @@ def test_four_line_api_diff():
     assert any("loss.backward()" in line for line in b)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_four_line_api_runs_both_ways():
     single = ok(run_cmd([sys.executable, "examples/single_device.py"]))

@@ -35,9 +35,10 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.distributed as tdist
 from torch import nn
@@ -49,17 +50,19 @@ from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distr
 from .env import DistEnv, detect
 from .errors import UserError
 from .parallel.fsdp import full_state_dict, is_sharded
-from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY, strategy as find_strategy, strategy_of
+from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
+from .parallel.strategy import strategy as find_strategy
+from .parallel.strategy import strategy_of
+from .parallel.wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
 from .reliability.boundary import StepBoundary
 from .reliability.eval_pass import EvalLoader
 from .reliability.excepthook import Failures
 from .reliability.policy import Policy
-from .reliability.run_dir_checks import hang_folder
 from .reliability.preemption import PreemptFlag
-from .reliability.sync_checks import in_main_only, main_only
 from .reliability.progress import Progress
+from .reliability.run_dir_checks import hang_folder
+from .reliability.sync_checks import in_main_only, main_only
 from .resources import loader_workers
-from .parallel.wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
 from .run_options import config_as_json, policy_from_options
 
 
@@ -384,7 +387,7 @@ class Run:
             raise SystemExit(code) from None
         self._stack.close()
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(self, kind, err, tb) -> None:
@@ -399,7 +402,7 @@ class Run:
 class Resumed(int):
     """The optimizer steps already done (an int), with `.epoch`, the epochs already done."""
 
-    def __new__(cls, steps: int, epoch: int) -> "Resumed":
+    def __new__(cls, steps: int, epoch: int) -> Resumed:
         out = super().__new__(cls, steps)
         out.epoch = epoch
         return out

@@ -13,10 +13,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as tdist

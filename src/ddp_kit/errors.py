@@ -28,7 +28,7 @@ class UserError(Exception):
         self.verdict = verdict
         self.host: str | None = None
 
-    def at(self, rank: int, host: str | None = None) -> "UserError":
+    def at(self, rank: int, host: str | None = None) -> UserError:
         """Stamp the rank (and host) that saw a local problem; returns self."""
         if self.local:
             self.rank = rank if self.rank is None else self.rank

@@ -5,7 +5,7 @@ the values of the metrics dict are averaged over ranks in training and evaluatio
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -13,10 +13,9 @@ thresholds keep it. Set at init with mallopt unless the user set MALLOC_* variab
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -83,7 +82,9 @@ def tune_allocator(environ: Mapping[str, str]) -> bool:
     if user_tuned or environ.get("DDP_KIT_MALLOC") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # The symbols already loaded into this process (libc among them): ctypes.util.find_library
+        # would run `ldconfig -p` in a subprocess at every rank's start to find the same library.
+        libc = ctypes.CDLL(None)
         return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False

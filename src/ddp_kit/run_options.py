@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import UserError
 from .reliability.policy import Policy

@@ -25,7 +25,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 draws = []
 run.resume(optimizer=optimizer, scheduler=scheduler)
-for epoch in run.epochs(4):
+for _epoch in run.epochs(4):
     scale = 1.0 + torch.rand(()).item()  # per-epoch randomness at the top of the epoch
     for x, y in loader:
         loss = F.cross_entropy(model(x * scale), y)

@@ -14,8 +14,8 @@ from torch import nn
 from ddp_kit.dist import distributed
 from ddp_kit.errors import UserError
 from ddp_kit.parallel.fsdp import full_state_dict
-from ddp_kit.reliability.sync_checks import check_consistency, optimizer_steps
 from ddp_kit.parallel.wrap import sync_gradients, wrap_model
+from ddp_kit.reliability.sync_checks import check_consistency, optimizer_steps
 
 
 class Net(nn.Module):

@@ -10,9 +10,9 @@ from pathlib import Path
 import fire
 import torch
 
-from ddp_kit.train.config import resolve
 from ddp_kit.env import detect
 from ddp_kit.train import command as train_mod
+from ddp_kit.train.config import resolve
 
 
 def main(out_dir: str, **flags):

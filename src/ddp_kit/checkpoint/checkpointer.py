@@ -23,14 +23,17 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import torch
 
+from ..dist import DistContext, all_true, rank0_verdict
+from ..errors import UserError
 from . import dcp_files, folder, layout
 from .backend import Found
 from .durable import disk_full, fsync_dir, write_durable
@@ -38,15 +41,13 @@ from .finite import nonfinite_tensors, refuse_nonfinite
 from .rng import rng_state, set_rng_state
 from .stager import _stager_reuses, reusable_stager
 from .staging import HostBuffer, snapshot, tensors_in, to_host
-from ..dist import DistContext, all_true, rank0_verdict
-from ..errors import UserError
 
 # Imported from here by tests and older code; they live in their own modules now.
 __all__ = ["Checkpointer", "Found", "open_folder", "rng_state", "set_rng_state", "nonfinite_tensors",
            "reusable_stager", "_stager_reuses"]
 
 
-def open_folder(ctx: DistContext, location: str, **options: Any) -> "Checkpointer":
+def open_folder(ctx: DistContext, location: str, **options: Any) -> Checkpointer:
     """The BACKENDS factory for "file": a folder path, or a file:// URL naming one on this machine."""
     if location.lower().startswith("file://"):
         url = urlsplit(location)

@@ -10,10 +10,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import layout
-from .folder import list_checkpoints, read_meta, validate
 from ..errors import EXIT_USER_ERROR, UserError
 from ..reliability.run_dir import RunDir
+from . import layout
+from .folder import list_checkpoints, read_meta, validate
 
 LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
 

@@ -2,14 +2,15 @@
 the last finite checkpoints out (keep_last)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from . import layout
 from ..dist import DistContext, all_true
 from ..errors import UserError
 from ..parallel.fsdp import local
+from . import layout
 
 _HINT = "lower lr, try amp off, or check the data; a rerun resumes from the last checkpoint"
 

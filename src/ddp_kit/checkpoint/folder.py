@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from ..errors import UserError
 from . import layout
 from .durable import fsync_dir, sha256_of
-from ..errors import UserError
 
 
 def step_numbers(root: Path) -> list[int]:

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-
 ALIGN = 64  # bytes: every view into a host buffer starts aligned for any dtype
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import UserError
 from ._spec import DataSpec

@@ -25,13 +25,13 @@ def load(name: str, root: str, download: bool) -> DataSpec:
     if name == "mnist":
         tf = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])
         cls, shape = torchvision.datasets.MNIST, (1, 28, 28)
-        make = lambda train: cls(root, train=train, download=download, transform=tf)  # noqa: E731
+        make = lambda train: cls(root, train=train, download=download, transform=tf)
     else:
         norm = T.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
         train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), norm])
         test_tf = T.Compose([T.ToTensor(), norm])
         cls, shape = torchvision.datasets.CIFAR10, (3, 32, 32)
-        make = lambda train: cls(root, train=train, download=download, transform=train_tf if train else test_tf)  # noqa: E731
+        make = lambda train: cls(root, train=train, download=download, transform=train_tf if train else test_tf)
     try:
         return DataSpec(make(True), make(False), shape, 10)
     except RuntimeError as exc:

@@ -32,13 +32,13 @@ def oom_report(device, micro_batch: int, global_batch: int, grad_accum: int, amp
     try:
         alloc, reserved = torch.cuda.memory_allocated(device) / gib, torch.cuda.memory_reserved(device) / gib
         peak, total = torch.cuda.max_memory_allocated(device) / gib, torch.cuda.get_device_properties(device).total_memory / gib
-    except Exception:  # noqa: BLE001
+    except Exception:  # whatever fails, the diagnosis goes on
         alloc = reserved = peak = total = float("nan")
     fraction = None
     if hasattr(torch.cuda, "get_per_process_memory_fraction"):  # not in every torch that ddp_kit runs on
         try:
             fraction = torch.cuda.get_per_process_memory_fraction(device)
-        except Exception:  # noqa: BLE001  (the report must never hide the OOM)
+        except Exception:  # the report must never hide the OOM
             pass
     return describe_oom(str(device), alloc, reserved, peak, total, fraction, micro_batch, global_batch, grad_accum, amp)
 

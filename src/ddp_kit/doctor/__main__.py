@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import fire
 

@@ -4,8 +4,9 @@ No torch here: tests feed fact snapshots of broken machines straight in.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 

@@ -74,7 +74,7 @@ def torch_facts(probe_gpus: bool = True) -> dict[str, Any]:
                            "torchvision_error": None}
     try:
         import torch
-    except Exception as exc:  # noqa: BLE001 - a broken install is a fact
+    except Exception as exc:  # a broken install is a fact
         out["import_error"] = f"{type(exc).__name__}: {exc}"
         return out
     out["version"] = torch.__version__
@@ -105,14 +105,14 @@ def torch_facts(probe_gpus: bool = True) -> dict[str, Any]:
         if out["cuda"] and out["nccl_available"]:  # the bundled NCCL answers without a GPU too
             v = torch.cuda.nccl.version()
             out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # a broken install is a fact
         out["cuda_error"] = f"{type(exc).__name__}: {exc}"
     try:
         import torchvision
 
         out["torchvision"] = torchvision.__version__
         torchvision.ops.nms  # noqa: B018 - touches the compiled ops, the usual point of failure
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # a broken install is a fact
         out["torchvision_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return out
 

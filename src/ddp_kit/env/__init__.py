@@ -13,7 +13,7 @@ A new launcher is a new file plus one line in `LAUNCHERS`; nothing outside this 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from . import env_vars, single, slurm, torchrun
 from .base import DistEnv, check_place

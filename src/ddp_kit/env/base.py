@@ -7,8 +7,8 @@ name only (the startup line, the doctor).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..errors import UserError
 

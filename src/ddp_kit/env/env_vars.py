@@ -2,7 +2,7 @@
 that starts the ranks itself."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from .base import DistEnv, int_var
 

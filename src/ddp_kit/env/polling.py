@@ -4,7 +4,7 @@ environment like them, and free of torch, so the threads' modules ask it here.""
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import UserError
 

@@ -2,7 +2,7 @@
 that say a launcher was meant."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import UserError
 from .base import NO_LAUNCHER, DistEnv

@@ -7,8 +7,8 @@ ranks (torchrun inside a batch job too): the job id, how to requeue it, the node
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping
 
 from ..errors import UserError
 from .base import DistEnv, count_var, int_var

@@ -2,7 +2,7 @@
 RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ... in each worker's environment."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from .base import DistEnv, int_var
 

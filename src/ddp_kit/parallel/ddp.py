@@ -6,9 +6,10 @@ makes DDP settle its gradient buckets on resume (`settle_ddp_buckets`). Library 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as tdist

@@ -16,9 +16,10 @@ behind the per-rank memory report. Library code: plain arguments, no config.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,7 +128,7 @@ def _chosen(model: nn.Module, blocks: Callable[[nn.Module], bool] | Iterable[str
         if unknown:
             raise UserError(f"fsdp blocks {unknown} name no module class in this model",
                             f"name classes it has, e.g. {', '.join(sorted(found)[:6])}")
-        blocks = lambda m: type(m).__name__ in names  # noqa: E731
+        blocks = lambda m: type(m).__name__ in names
     return [m for m in model.modules() if m is not model and blocks(m)]
 
 

@@ -3,8 +3,8 @@ autocast around the forward, and the GradScaler that fp16 needs."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

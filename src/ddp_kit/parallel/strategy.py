@@ -11,9 +11,10 @@ is loaded; a strategy's own file (and so torch) is imported when the strategy is
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..errors import UserError
 

@@ -13,11 +13,16 @@ import torch
 from torch import nn
 
 from ..dist import DistContext
-from .ddp import ddp_local_forward, settle_ddp_buckets, sync_ddp_buffers, unwrap, unwrap_ddp  # noqa: F401
-from .device import kernel_settings, to_device  # noqa: F401
-from .fsdp import FSDP_OPTIONS, accumulate, check_strategy, is_sharded, shard  # noqa: F401
-from .precision import autocast, bf16_warning, check_amp, grad_scaler  # noqa: F401
+from .ddp import ddp_local_forward, settle_ddp_buckets, sync_ddp_buffers, unwrap, unwrap_ddp
+from .device import kernel_settings, to_device
+from .fsdp import FSDP_OPTIONS, accumulate, check_strategy, is_sharded, shard
+from .precision import autocast, bf16_warning, check_amp, grad_scaler
 from .strategy import strategy, strategy_of
+
+# Kept import paths: everything that was importable from here (and from ddp_kit.wrap) before the split.
+__all__ = ["FSDP_OPTIONS", "accumulate", "autocast", "bf16_warning", "check_amp", "check_strategy", "ddp_local_forward",
+           "grad_scaler", "is_sharded", "kernel_settings", "settle_ddp_buckets", "shard", "sync_ddp_buffers",
+           "sync_gradients", "to_device", "unwrap", "unwrap_ddp", "wrap_model"]
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, *, sync_bn: bool = False, compile: bool = False,

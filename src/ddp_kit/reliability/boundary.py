@@ -26,9 +26,10 @@ DistContext), never the job's config.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ from .checkpoint_io import open_checkpointer
 from .crash import handle
 from .lifecycle import RunResources, watch_store
 from .numerics import NonFiniteLoss
-from .policy import Policy  # noqa: F401  (kept import path: ddp_kit.reliability.boundary.Policy)
+from .policy import Policy
 from .preemption import PreemptFlag
 from .progress import Progress
 from .records import MetricsRecords
@@ -105,7 +106,7 @@ class StepBoundary:
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
-    def start(self) -> "StepBoundary":
+    def start(self) -> StepBoundary:
         """Before any work: the run folder is checked and locked, the watchdog runs."""
         self.resources.start(self.config)
         self.records.writer = self.resources.writer

@@ -4,8 +4,8 @@ functions and the backend they return (checkpoint.backend.CheckpointBackend), so
 is chosen here, by the location's scheme, and nowhere else."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..checkpoint.backend import CheckpointBackend, Found, open_backend
 from ..checkpoint.layout import step_name

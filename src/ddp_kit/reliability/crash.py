@@ -19,14 +19,14 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from ..dist import DistContext, hosts_store
 from ..doctor import findings_for_error, is_cuda_error
 from ..errors import EXIT_USER_ERROR, UserError
 from .failfast import EXIT_PEER_FAILED, LINGER_S, peer_failure, post, same_error, say_stop
-from .preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from .peer_loss import diagnose_peer_loss, is_comm_error
+from .preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from .watchdog import EXIT_HANG
 
 EXIT_FAILED = 1

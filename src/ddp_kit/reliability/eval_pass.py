@@ -2,7 +2,8 @@
 made to agree before the first batch, so that an eval sees (and a checkpoint saves) one model."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.utils.data import DataLoader

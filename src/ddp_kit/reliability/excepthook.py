@@ -16,7 +16,7 @@ class Failures:
     """sys.excepthook while a Run is open: the failure policy (failure.py) decides what this rank
     prints and its exit code. While joining (no guard yet) only a UserError is handled: one line."""
 
-    def __init__(self, guard: "StepBoundary | None", rank: int = 0):
+    def __init__(self, guard: StepBoundary | None, rank: int = 0):
         self.guard = guard
         self.rank = guard.ctx.rank if guard is not None else rank
         self.active = True

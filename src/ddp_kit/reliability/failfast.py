@@ -107,7 +107,7 @@ class FailFast:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-failfast", daemon=True)
 
-    def start(self) -> "FailFast":
+    def start(self) -> FailFast:
         if self.world_size > 1:
             self._thread.start()
         return self

@@ -15,8 +15,8 @@ import resource
 import socket
 import statistics
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as tdist
@@ -52,7 +52,7 @@ class PreemptFlag:
         self._wakeup: tuple[int, int] | None = None
         self._old_wakeup = -1
 
-    def install(self) -> "PreemptFlag":
+    def install(self) -> PreemptFlag:
         if threading.current_thread() is not threading.main_thread():
             return self  # e.g. the API used from a thread: no signal handling
         for sig in SIGNALS:

@@ -4,7 +4,8 @@ script's own, or a default one at close."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,7 +48,7 @@ class MetricsRecords:
     def restart_window(self, done: int) -> None:
         self.last_log = (time.perf_counter(), done)
 
-    def log(self, b: "StepBoundary") -> dict[str, Any]:
+    def log(self, b: StepBoundary) -> dict[str, Any]:
         """One metrics record: loss (mean over ranks and steps since the last record), lr, samples/s
         and, with rank_metrics, every rank's time split; named stragglers are warned about."""
         ctx, done = self.ctx, b.done
@@ -96,7 +97,7 @@ class MetricsRecords:
         if self.writer is not None:
             self.writer.write_summary(summary)
 
-    def default_summary(self, b: "StepBoundary") -> dict[str, Any]:
+    def default_summary(self, b: StepBoundary) -> dict[str, Any]:
         """What the reference job's summary.json holds, for a script that writes none: the same
         keys where they exist, the last eval record's values, and the final weights' digest. Collective."""
         module = b.modules[0] if b.modules else None

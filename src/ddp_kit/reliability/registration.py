@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .boundary import StepBoundary
 
 
-def track(b: "StepBoundary", obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
+def track(b: StepBoundary, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
     """Register `obj` for checkpointing (models, ddp_kit loaders, optimizers are also watched).
     `module`: a model's own module under its wrappers, where the caller has it."""
     if b.state.holds(obj):
@@ -45,7 +45,7 @@ def track(b: "StepBoundary", obj: Any, name: str | None = None, module: nn.Modul
         base = type(obj).__name__.lower()
     b.state.add(name or b.state.next_name(base), obj)
 
-def _time_ddp_forward(b: "StepBoundary", ddp: DDP) -> None:
+def _time_ddp_forward(b: StepBoundary, ddp: DDP) -> None:
     """DDP's pre-forward broadcasts rank 0's buffers (BatchNorm statistics) to every rank, a wait
     on the others: booked as comm (the loop's own work before the call as other), and the forward
     is timed from the inner module's start. Only inside DDP's call: the inner module alone (an

@@ -3,7 +3,8 @@ fit (another strategy, a changed recipe), restore every object and this rank's R
 continue one lineage in the run folder (checkpoint_io.archive_lineage)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from .boundary import StepBoundary
 
 
-def resume(b: "StepBoundary", objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
+def resume(b: StepBoundary, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
     """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
     for name, obj in objects.items():
         b.track(obj, name)
@@ -38,11 +39,11 @@ def resume(b: "StepBoundary", objects: dict[str, Any], check: Callable[[dict], s
     return b.done
 
 
-def _restore(b: "StepBoundary", ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> None:
+def _restore(b: StepBoundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> None:
     shared, own, meta = ckpt.load(found)
     if check is None and b.config is not None:  # a script's own config: the reference job's rules
         config = b.config
-        check = lambda m: refuse_changed(m.get("config") or {}, config, m["path"],  # noqa: E731
+        check = lambda m: refuse_changed(m.get("config") or {}, config, m["path"],
                                          "use a new run_dir, or resume='never' to start over in this one")
     optimizers = b.named(torch.optim.Optimizer)
     scheduled = any(is_scheduler(o) for o in b.state.objects.values())

@@ -84,7 +84,7 @@ class RunLock:
         self.path, self.job_id = path, (job_id if job_id not in (None, "", "none") else None)
         self._fd: int | None = None
 
-    def acquire(self, wait_same_job_s: float = LOCK_WAIT_SAME_JOB_S) -> "RunLock":
+    def acquire(self, wait_same_job_s: float = LOCK_WAIT_SAME_JOB_S) -> RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:

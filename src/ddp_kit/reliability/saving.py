@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .boundary import StepBoundary
 
 
-def save(b: "StepBoundary") -> None:
+def save(b: StepBoundary) -> None:
     """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
     b.flush()
     ckpt = b.checkpointer()

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .boundary import StepBoundary
 
 
-def stop_if_signalled(b: "StepBoundary") -> bool:
+def stop_if_signalled(b: StepBoundary) -> bool:
     """The ranks agree on any stop signal so far (acted on: this never returns) and on whether a
     timed checkpoint is due (returned)."""
     due = (b.ctx.is_main and bool(b.state) and b.policy.ckpt_every_s > 0 and b.rd is not None
@@ -26,7 +26,7 @@ def stop_if_signalled(b: "StepBoundary") -> bool:
     return due
 
 
-def stop(b: "StepBoundary", signum: int) -> None:
+def stop(b: StepBoundary, signum: int) -> None:
     """Checkpoint, requeue under SLURM (USR2), and exit 75 (130 for Ctrl-C), all ranks together."""
     saved = bool(b.state) and b.rd is not None
     if saved:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as tdist

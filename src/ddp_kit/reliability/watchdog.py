@@ -76,7 +76,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-watchdog", daemon=True)
         self.store = store
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.store is not None and self.hang_timeout_s > 0:
             self._thread.start()
         return self

@@ -9,15 +9,16 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from ..errors import UserError
 from ..parallel import STRATEGY_NAMES, find_strategy
-from ..reliability import NOT_RECIPE, RESUMABLE, config_hash, describe_changes, recipe_changes  # noqa: F401 (re-exported)
+from ..reliability import NOT_RECIPE, config_hash
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,7 +15,8 @@ from ..api import Run
 from ..parallel import check_amp, grad_scaler, to_device
 from ..reliability import model_flops_per_sample, peak_tflops
 from .config import TrainConfig
-from .inject import Injector, parse as parse_faults
+from .inject import Injector
+from .inject import parse as parse_faults
 from .workload import build as build_workload
 
 

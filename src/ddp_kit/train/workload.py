@@ -16,14 +16,16 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..datasets import REGISTRY as DATASETS, DataSpec
+from ..datasets import REGISTRY as DATASETS
+from ..datasets import DataSpec
 from ..errors import UserError
 from ..losses import LOSSES
 from ..models import REGISTRY as MODELS
