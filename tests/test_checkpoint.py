@@ -264,7 +264,7 @@ def test_run_close_frees_the_checkpointers_host_buffers(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run.resume(model=model, optimizer=opt)
     host = _FakeHostBuffer()
-    run._guard.checkpointer()._hosts["rank"] = host
+    run._boundary.checkpointer()._hosts["rank"] = host
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     run.step()

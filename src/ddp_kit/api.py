@@ -44,9 +44,10 @@ import torch.distributed as tdist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .collectives import all_gather_object, all_reduce_sum, barrier
 from .data import TrainLoader, eval_loader, per_rank_batch
 from .data.resample import loader_sampling
-from .dist import DistContext, all_gather_object, all_reduce_sum, barrier, distributed
+from .dist import DistContext, distributed
 from .env import DistEnv, detect
 from .errors import UserError
 from .parallel.fsdp import full_state_dict, is_sharded
@@ -69,10 +70,10 @@ from .run_options import config_as_json, policy_from_options
 class Run:
     """A live distributed context plus the helpers a training script needs. Create it with `init()`."""
 
-    def __init__(self, ctx: DistContext, stack: ExitStack, guard: StepBoundary, split_batches: bool, seed: int):
+    def __init__(self, ctx: DistContext, stack: ExitStack, boundary: StepBoundary, split_batches: bool, seed: int):
         self.ctx = ctx
         self._stack = stack
-        self._guard = guard
+        self._boundary = boundary
         self._closed = False
         self.split_batches = split_batches
         self.seed = seed
@@ -88,7 +89,7 @@ class Run:
     world_size = property(lambda self: self.ctx.world_size)
     is_main = property(lambda self: self.ctx.is_main)
 
-    run_dir = property(lambda self: self._guard.rd.path if self._guard.rd else None)
+    run_dir = property(lambda self: self._boundary.rd.path if self._boundary.rd else None)
 
     def micro_batch(self, batch_size: int, grad_accum: int = 1) -> int:
         """The samples one rank loads per forward pass for a GLOBAL `batch_size` split over this run's
@@ -128,12 +129,12 @@ class Run:
                                 "were split for DDP, and under FSDP ranks with fewer eval batches would leave the "
                                 "others waiting in an all-gather", "call run.prepare on the model first, then "
                                 "run.eval_loader")
-            self._guard.strategy = chosen
+            self._boundary.strategy = chosen
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
-                self._guard.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)
+                self._boundary.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_one(self, obj: Any, sync_bn: bool, compile: bool, channels_last: bool, grad_accum: int,
@@ -207,11 +208,11 @@ class Run:
         shard = eval_loader(dataset, batch_size=loader.batch_size, world_size=self.world_size, rank=self.rank,
                             num_workers=loader.num_workers, pin_memory=self.device.type == "cuda",
                             collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
-                            even_batches=self._guard.strategy.sharded)
-        self._uneven_eval = self._uneven_eval or (not self._guard.strategy.sharded and self.world_size > 1)
-        return EvalLoader(shard, lambda: self._guard.heartbeat("eval"), self._guard.models)
+                            even_batches=self._boundary.strategy.sharded)
+        self._uneven_eval = self._uneven_eval or (not self._boundary.strategy.sharded and self.world_size > 1)
+        return EvalLoader(shard, lambda: self._boundary.heartbeat("eval"), self._boundary.models)
 
-    # ---- the reliability layer: checkpoints, preemption, watchdog, sync checks (guard.py) -------------
+    # ---- the reliability layer: checkpoints, preemption, watchdog, sync checks (reliability/) -------
 
     def resume(self, *, check: Callable[[dict], str | None] | None = None, meta: dict | None = None, **objects: Any) -> int:
         """Register `objects` (name=obj, each with state_dict/load_state_dict) beside what `prepare`
@@ -223,36 +224,36 @@ class Run:
         checkpoint's meta (plus its "path") before anything is loaded: it may refuse it by raising
         a UserError, or return a note for the "resumed from" line."""
         if meta:
-            self._guard.meta.update(meta)
-        done = self._guard.resume(objects, check)
-        self._guard.agree()
+            self._boundary.meta.update(meta)
+        done = self._boundary.resume(objects, check)
+        self._boundary.agree()
         return Resumed(done, self.epoch)
 
     def step(self, loss: Any = None) -> int:
         """Call once per optimizer step, after `optimizer.step()`; `loss` (a tensor, never read on the
         spot) feeds metrics.jsonl and the NaN check. Returns the steps done. May save a checkpoint,
         and on a stop signal saves, requeues under SLURM and exits 75 (130 for Ctrl-C) on every rank."""
-        return self._guard.step(loss)
+        return self._boundary.step(loss)
 
     def save(self) -> None:
         """Checkpoint now (every rank must call it); resumable by `run.resume`."""
-        self._guard.save()
+        self._boundary.save()
 
     @property
     def steps_done(self) -> int:
         """Optimizer steps done, the one whose boundary is still to run (at the next batch) included."""
-        return self._guard.done + int(self._guard.pending)
+        return self._boundary.done + int(self._boundary.pending)
 
     @property
     def memory(self) -> dict[str, int]:
         """This rank's parameter, gradient and optimizer-state bytes (its shards under FSDP), as last
         measured at a log event or the first optimizer step; {} before that."""
-        return dict(self._guard.memory)
+        return dict(self._boundary.memory)
 
     @property
     def epoch(self) -> int:
         """Epochs completed by the (first) loader from `prepare`; after a resume, the checkpoint's."""
-        return self._guard.epoch
+        return self._boundary.epoch
 
     def epochs(self, start_or_stop: int, stop: int | None = None) -> Iterator[int]:
         """`range(start, stop)` without the epochs a resumed run already completed:
@@ -263,34 +264,34 @@ class Run:
         start, stop = (0, start_or_stop) if stop is None else (start_or_stop, stop)
         for epoch in range(start + self.epoch, stop):
             yield epoch
-            self._guard.flush()
+            self._boundary.flush()
 
     def heartbeat(self, phase: str = "eval") -> None:
         """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",
         "checkpoint" and "finish" get the startup timeout instead of hang_timeout_s."""
-        self._guard.heartbeat(phase)
+        self._boundary.heartbeat(phase)
 
     def on_log(self, fn: Callable[[dict], None]) -> None:
         """Call `fn(record)` on every rank at each log event, before rank 0 writes it to metrics.jsonl
         (it may add fields, and run collectives: every rank calls it at the same step)."""
-        self._guard.on_log.append(fn)
+        self._boundary.on_log.append(fn)
 
     def log(self) -> dict:
         """A log event now (every rank must call it): the record of the steps since the last one."""
-        return self._guard.log()
+        return self._boundary.log()
 
     def log_event(self, record: dict) -> None:
         """Append `record` to run_dir/metrics.jsonl (rank 0 writes; a no-op elsewhere)."""
-        self._guard.write(record)
+        self._boundary.write(record)
 
     def write_summary(self, summary: dict) -> None:
         """run_dir/summary.json, written atomically by rank 0."""
-        self._guard.write_summary(summary)
+        self._boundary.write_summary(summary)
 
     def explain_cuda_errors(self, fn: Callable[[BaseException], list[str]]) -> None:
         """On a CUDA/NCCL error the failing rank prints `fn(err)`'s lines beside it (default: the
         doctor's findings), e.g. what the batch held on out-of-memory."""
-        self._guard.cuda_notes = fn
+        self._boundary.cuda_notes = fn
 
     # ---- small helpers ----------------------------------------------------------------------------
 
@@ -328,7 +329,7 @@ class Run:
         """`with run.main_only() as main: if main: ...`: rank-0-only code in which collectives raise at
         once, and a DDP model's forward runs on its own module (see sync.main_only). A hang report
         names the rank that is inside the block."""
-        progress = self._guard.progress
+        progress = self._boundary.progress
         phase = progress.phase
         if self.is_main and self.world_size > 1:
             progress.enter("main_only")
@@ -375,10 +376,10 @@ class Run:
             return
         self._closed = True
         try:
-            if not self._guard.failed:
-                self._guard.finish()
+            if not self._boundary.failed:
+                self._boundary.finish()
         except BaseException as err:
-            code = err.code if isinstance(err, SystemExit) else self._guard.fail(err)
+            code = err.code if isinstance(err, SystemExit) else self._boundary.fail(err)
             self._stack.close()
             if at_exit:  # an exception here would be printed and ignored, and the exit code lost
                 sys.stdout.flush()
@@ -394,7 +395,7 @@ class Run:
         if err is None or isinstance(err, SystemExit):
             self.close()
             return
-        code = self._guard.fail(err)  # the failure policy, while the store and process group still exist
+        code = self._boundary.fail(err)  # the failure policy, while the store and process group still exist
         self.close()
         raise SystemExit(code) from None
 
@@ -420,7 +421,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     """Join the job this process was launched into (or run alone) and return its Run.
 
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
-    checkpoints. `options` are guard.Policy's fields: resume, ckpt_every, ckpt_every_s, keep_last,
+    checkpoints. `options` are reliability.policy.Policy's fields: resume, ckpt_every, ckpt_every_s, keep_last,
     async_ckpt, hang_timeout_s, peer_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
     sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin. `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
@@ -453,16 +454,16 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
         stack.close()
         raise
     kernel_settings(ctx.device, tf32=tf32, cudnn_benchmark=cudnn_benchmark, deterministic=deterministic)
-    guard = StepBoundary(ctx, policy, progress, flag)
-    guard.config = config_as_json(config)
-    box.append(guard)
-    stack.callback(guard.close)
+    boundary = StepBoundary(ctx, policy, progress, flag)
+    boundary.config = config_as_json(config)
+    box.append(boundary)
+    stack.callback(boundary.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that
     # wrapper our line would be lost when we exit. So the first hook steps aside (it stays wrapped
     # but only passes errors on) and a second one goes on the outside, until the Run closes.
     joining.active = False
-    stack.callback(Failures(guard).uninstall)
-    run = Run(ctx, stack, guard, split_batches, seed)
+    stack.callback(Failures(boundary).uninstall)
+    run = Run(ctx, stack, boundary, split_batches, seed)
     # The final checkpoint writes with threads: it must run before interpreter shutdown stops
     # thread pools from taking work, i.e. among threading's exit hooks (they run when the main
     # thread ends, in reverse order: ours, registered last, before concurrent.futures' own).
@@ -470,9 +471,9 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     register(lambda: run.close(at_exit=True))
     atexit.register(lambda: run.close(at_exit=True))  # a no-op once closed
     try:
-        guard.start()
+        boundary.start()
     except BaseException as err:
-        code = guard.fail(err)  # e.g. the run folder is another job's: one line, once, for every rank
+        code = boundary.fail(err)  # e.g. the run folder is another job's: one line, once, for every rank
         run.close()
         raise SystemExit(code) from None
     return run

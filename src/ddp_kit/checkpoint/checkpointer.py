@@ -32,7 +32,8 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
-from ..dist import DistContext, all_true, rank0_verdict
+from ..collectives import all_true, rank0_verdict
+from ..dist import DistContext
 from ..errors import UserError
 from . import dcp_files, folder, layout
 from .backend import Found

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from ..dist import DistContext, all_true
+from ..collectives import all_true
+from ..dist import DistContext
 from ..errors import UserError
 from ..parallel.fsdp import local
 from . import layout

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from ..dist import DistContext, all_gather_object
+from ..collectives import all_gather_object
+from ..dist import DistContext
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float]:

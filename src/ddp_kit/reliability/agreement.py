@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import __version__
-from ..dist import barrier, set_collective_timeout
+from ..collectives import barrier, set_collective_timeout
 from ..errors import UserError
 from .recipe import config_hash
 from .sync_checks import check_agreement, shapes_digest

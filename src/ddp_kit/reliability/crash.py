@@ -70,7 +70,7 @@ def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir
             return EXIT_PEER_FAILED
     # Posted first, so that the same error raised on every rank at once (a bug after the loop) is
     # printed by one of them. The launcher's SIGTERM to the survivors is ignored by a closing
-    # process (preempt.py), so this one still gets to print after the others have stopped.
+    # process (preemption.py), so this one still gets to print after the others have stopped.
     stands = post(ctx.store, ctx.rank, step, phase, err)
     if stands is None or stands["rank"] == ctx.rank or not same_error(stands, err):
         print(f"ddp_kit: error: rank {ctx.rank} failed at step {step} in {phase}: {type(err).__name__}: {err}\n"

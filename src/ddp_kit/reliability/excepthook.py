@@ -13,12 +13,12 @@ if TYPE_CHECKING:
 
 
 class Failures:
-    """sys.excepthook while a Run is open: the failure policy (failure.py) decides what this rank
-    prints and its exit code. While joining (no guard yet) only a UserError is handled: one line."""
+    """sys.excepthook while a Run is open: the failure policy (crash.py) decides what this rank
+    prints and its exit code. While joining (no step boundary yet) only a UserError is handled: one line."""
 
-    def __init__(self, guard: StepBoundary | None, rank: int = 0):
-        self.guard = guard
-        self.rank = guard.ctx.rank if guard is not None else rank
+    def __init__(self, boundary: StepBoundary | None, rank: int = 0):
+        self.boundary = boundary
+        self.rank = boundary.ctx.rank if boundary is not None else rank
         self.active = True
         self.previous = sys.excepthook
         sys.excepthook = self
@@ -26,11 +26,11 @@ class Failures:
     def __call__(self, kind, err, tb) -> None:
         if not self.active:
             return self.previous(kind, err, tb)
-        if self.guard is None and isinstance(self.previous, Failures) and self.previous.guard is not None:
+        if self.boundary is None and isinstance(self.previous, Failures) and self.previous.boundary is not None:
             return self.previous(kind, err, tb)  # a Run is open (a second ddp_kit.init): its policy decides
-        if self.guard is not None:
+        if self.boundary is not None:
             # SystemExit from an excepthook sets the exit code; atexit (teardown, no final save) still runs.
-            sys.exit(self.guard.fail(err))
+            sys.exit(self.boundary.fail(err))
         if not isinstance(err, UserError):
             return self.previous(kind, err, tb)
         report_user_error(err, self.rank)

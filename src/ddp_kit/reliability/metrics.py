@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..dist import DistContext, gather_object
+from ..collectives import gather_object
+from ..dist import DistContext
 
 PARTS = ("data", "forward", "backward", "optimizer", "comm", "other")
 

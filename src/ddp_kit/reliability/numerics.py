@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from ..dist import DistContext, all_gather_object
+from ..collectives import all_gather_object
+from ..dist import DistContext
 from ..errors import UserError
 
 _NONE = 2**62

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import __version__
-from ..dist import DistContext, all_reduce_sum, gather_object
+from ..collectives import all_reduce_sum, gather_object
+from ..dist import DistContext
 from ..parallel.fsdp import memory_bytes
 from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
 from .outputs import RunWriter

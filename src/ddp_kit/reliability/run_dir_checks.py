@@ -7,7 +7,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from ..dist import DistContext, all_true, broadcast_object, gather_object, rank0_verdict
+from ..collectives import all_true, broadcast_object, gather_object, rank0_verdict
+from ..dist import DistContext
 from ..errors import UserError
 from .run_dir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..dist import barrier
+from ..collectives import barrier
 from .preemption import agree_stop, exit_code, requeue
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ publishes them to the rendezvous store once a second. The store lives outside th
 - Until step 1 has finished (data preparation, torch.compile, cuDNN autotuning) every phase counts
   as startup and gets the init timeout instead.
 - A rank that raises is fail-fast's business (failfast.py), which runs even with the watchdog off;
-  one that vanishes is diagnosed by peerloss.py; what a rank is doing lives in progress.py.
+  one that vanishes is diagnosed by peer_loss.py; what a rank is doing lives in progress.py.
 """
 from __future__ import annotations
 
