@@ -1,6 +1,7 @@
 """Checkpoints with real processes: exact resume after kills, corrupt and partial checkpoints, elastic world size."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -8,10 +9,11 @@ import time
 
 import pytest
 
-from conftest import ROOT, ok, proc_env, read_json, run_cmd, torchrun
+from conftest import REFERENCE_2_EPOCHS, ROOT, ok, proc_env, read_json, run_cmd, torchrun
 
-# 2 epochs of 22 steps: a checkpoint every 5 steps puts resumes mid-epoch.
-BASE = ["--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5"]
+# 2 epochs of 22 steps: a checkpoint every 5 steps puts resumes mid-epoch. The shared reference job's
+# flags (conftest), so that its uninterrupted runs are the ones test_preempt compares against too.
+BASE = [*REFERENCE_2_EPOCHS]
 
 
 def train_args(run_dir, *extra):
@@ -27,13 +29,17 @@ def job(run_dir, nproc, *extra, restarts=0, expect_ok=True):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted runs at world sizes 1 and 2: the param_sha256 every recovery must reproduce."""
-    d = tmp_path_factory.mktemp("ref")
-    job(d / "w1", 1)
-    job(d / "w2", 2)
-    job(d / "w4", 4)
-    return {n: read_json(d / f"w{n}" / "summary.json") for n in (1, 2, 4)}
+def reference(reference_summary):
+    """Uninterrupted runs at world sizes 1, 2 and 4: the param_sha256 every recovery must reproduce.
+    `reference[n]` is the session's shared run of BASE on n ranks (conftest.reference_summary), run
+    when a test first asks for that world size."""
+
+    class Runs(dict):
+        def __missing__(self, nproc):
+            self[nproc] = reference_summary(nproc, BASE)
+            return self[nproc]
+
+    return Runs()
 
 
 @pytest.mark.integration
@@ -62,8 +68,8 @@ def test_kill_one_worker_torchrun_restarts_and_matches(tmp_path, reference):
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_newest_falls_back(tmp_path, reference, damage):
-    job(tmp_path, 1, "--inject", "kill:rank=0:step=21", expect_ok=False)
+def test_corrupt_newest_falls_back(tmp_path, reference, crashed, damage):
+    crashed(tmp_path, "--inject", "kill:rank=0:step=21")
     newest = tmp_path / "checkpoints" / "step_20" / "model.pt"
     data = newest.read_bytes()
     if damage == "truncate":
@@ -158,12 +164,12 @@ def constant_lr_reference(tmp_path_factory):
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("restart", ["never", "older"])
-def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, constant_lr_reference, restart):
+def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, constant_lr_reference, crashed, restart):
     """A run abandoned at step 20 (by --resume never, or by resuming from its step 5) must not be
     picked up again by the next crash's auto-resume: `latest` wins, higher steps are archived."""
     const = CONST
     run = tmp_path / "run"
-    job(run, 1, *const, "--inject", "kill:rank=0:step=21", expect_ok=False)  # leaves step_5 .. step_20
+    crashed(run, *const, "--inject", "kill:rank=0:step=21")  # leaves step_5 .. step_20
     if restart == "never":  # a fresh start that crashes at step 13
         job(run, 1, *const, "--resume", "never", "--inject", "kill:rank=0:step=13", expect_ok=False)
         own = 10

@@ -107,8 +107,9 @@ def test_resumed_augmentation_is_bit_identical(tmp_path, workers):
     """Stop mid-epoch, save loader state + RNG, continue in a new process: the same batches and noise as one run."""
     script = str(HELPERS / "noisy.py")
     total, stop = 12, 7  # 5 steps per epoch (44 samples, global batch 8): the stop falls inside epoch 1
-    ok(torchrun([script, str(tmp_path), str(total), str(workers)]))
-    ok(torchrun([script, str(tmp_path), str(total), str(workers), str(stop)]))
+    # One launch runs all 12 steps and saves its state at step 7 on the way ("full" and "stopped"), so
+    # saving must not disturb the steps after it either; the resume is a new process.
+    ok(torchrun([script, str(tmp_path), str(total), str(workers), str(stop), "continue"]))
     ok(torchrun([script, str(tmp_path), str(total), str(workers), "resume"]))
     for r in range(2):
         full = _records(tmp_path / f"full_rank{r}.pt")

@@ -9,7 +9,9 @@ import torch
 
 from conftest import HELPERS, ROOT, ok, proc_env, read_json, run_cmd, torchrun
 
-FAST = ["--epochs", "6"]
+# 2 epochs of the default global batch (64) at a constant LR: the job both tests below compare, shared
+# through `runs` so that the 2-rank run with no accumulation is launched once for both of them.
+FLAGS = ["--epochs", "2", "--batch_size", "64", "--lr_schedule", "constant"]
 
 
 def _job(tmp, nproc, *flags):
@@ -18,31 +20,45 @@ def _job(tmp, nproc, *flags):
     return ok(torchrun([str(HELPERS / "job.py"), str(tmp), *flags], nproc=nproc))
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`runs[name]`: the folder of one job.py run of FLAGS, launched when a test first asks for it:
+    "one" on 1 rank, "a1" on 2 ranks, "a2" on 2 ranks with 2 micro-steps per step."""
+    d = tmp_path_factory.mktemp("train")
+    how = {"one": (1, ()), "a1": (2, ("--grad_accum", "1")), "a2": (2, ("--grad_accum", "2"))}
+
+    class Runs(dict):
+        def __missing__(self, name):
+            nproc, extra = how[name]
+            _job(d / name, nproc, *FLAGS, *extra)
+            self[name] = d / name
+            return self[name]
+
+    return Runs()
+
+
 @pytest.mark.integration
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(tmp_path):
-    _job(tmp_path / "one", 1, *FAST)
-    _job(tmp_path / "two", 2, *FAST)
-    one = read_json(tmp_path / "one" / "rank0.json")
-    r0, r1 = (read_json(tmp_path / "two" / f"rank{r}.json") for r in range(2))
+def test_two_ranks_match_one_rank(runs):
+    one = read_json(runs["one"] / "rank0.json")
+    two = runs["a1"]
+    r0, r1 = (read_json(two / f"rank{r}.json") for r in range(2))
     assert r0["param_sha256"] == r1["param_sha256"]  # each rank hashed its own weights
     assert r0["eval_samples"] == r1["eval_samples"] == one["eval_samples"] == 360
     assert abs(r0["eval_accuracy"] - one["eval_accuracy"]) <= 0.01
-    summary = read_json(tmp_path / "two" / "run" / "summary.json")
+    summary = read_json(two / "run" / "summary.json")
     assert summary["world_size"] == 2 and summary["steps"] == one["steps"]
-    lines = (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
+    lines = (two / "run" / "metrics.jsonl").read_text().splitlines()
     assert any(json.loads(line)["event"] == "train" for line in lines)
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_grad_accum_equals_bigger_micro_batch(tmp_path):
-    flags = ["--epochs", "2", "--batch_size", "64", "--lr_schedule", "constant"]
-    _job(tmp_path / "a1", 2, *flags, "--grad_accum", "1")
-    _job(tmp_path / "a2", 2, *flags, "--grad_accum", "2")
-    p1 = torch.load(tmp_path / "a1" / "params_rank0.pt")
-    p2 = torch.load(tmp_path / "a2" / "params_rank0.pt")
-    moved = max((p1[k] - torch.load(tmp_path / "a1" / "params_rank1.pt")[k]).abs().max().item() for k in p1)
+def test_grad_accum_equals_bigger_micro_batch(runs):
+    a1, a2 = runs["a1"], runs["a2"]
+    p1 = torch.load(a1 / "params_rank0.pt")
+    p2 = torch.load(a2 / "params_rank0.pt")
+    moved = max((p1[k] - torch.load(a1 / "params_rank1.pt")[k]).abs().max().item() for k in p1)
     assert moved == 0.0
     for k in p1:
         torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5)

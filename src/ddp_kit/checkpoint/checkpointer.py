@@ -40,7 +40,7 @@ from .backend import Found
 from .durable import disk_full, fsync_dir, write_durable
 from .finite import nonfinite_tensors, refuse_nonfinite
 from .rng import rng_state, set_rng_state
-from .stager import _stager_reuses, reusable_stager
+from .dcp_stager import _stager_reuses, reusable_stager
 from .staging import HostBuffer, snapshot, tensors_in, to_host
 
 # Imported from here by tests and older code; they live in their own modules now.
