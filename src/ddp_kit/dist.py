@@ -295,20 +295,5 @@ def teardown(abort: bool = False) -> None:
         except Exception as exc:  # a broken group must not hide the error that broke it
             print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
 
-
-# Kept import paths: the control-plane helpers lived here before collectives.py.
-from .collectives import (  # noqa: E402
-    all_gather_object,
-    all_reduce_sum,
-    all_same,
-    all_true,
-    barrier,
-    broadcast_object,
-    gather_object,
-    rank0_verdict,
-    set_collective_timeout,
-)
-
 __all__ = ["DistContext", "distributed", "teardown", "choose_device", "choose_backend", "check_layout", "nccl_defaults",
-           "hosts_store", "client_store", "all_gather_object", "all_reduce_sum", "all_same", "all_true", "barrier",
-           "broadcast_object", "gather_object", "rank0_verdict", "set_collective_timeout"]
+           "hosts_store", "client_store"]

@@ -37,10 +37,10 @@ from ..dist import DistContext
 from ..errors import UserError
 from . import dcp_files, folder, layout
 from .backend import Found
+from .dcp_stager import _stager_reuses, reusable_stager
 from .durable import disk_full, fsync_dir, write_durable
 from .finite import nonfinite_tensors, refuse_nonfinite
 from .rng import rng_state, set_rng_state
-from .dcp_stager import _stager_reuses, reusable_stager
 from .staging import HostBuffer, snapshot, tensors_in, to_host
 
 # Imported from here by tests and older code; they live in their own modules now.
