@@ -42,6 +42,24 @@ def reference(reference_summary):
     return Runs()
 
 
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """`crashed(into, *extra)`: the run folder a 1-rank job of BASE + extra left when killed by its
+    --inject, copied into `into`. Each such job runs once per module; the tests that start from the
+    same crash (then damage or resume it each their own way) get their own copy of it."""
+    made = {}
+
+    def get(into, *extra):
+        if extra not in made:
+            d = tmp_path_factory.mktemp("crashed") / "run"
+            job(d, 1, *extra, expect_ok=False)
+            made[extra] = d
+        shutil.copytree(made[extra], into, dirs_exist_ok=True)
+        return into
+
+    return get
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 4])  # 4: the ring all-reduce's sum order depends on DDP's bucket layout
