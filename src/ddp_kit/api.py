@@ -147,7 +147,9 @@ class Run:
                                 "prepare the plain model once and keep what run.prepare returned")
             model = wrap_model(obj, self.ctx, sync_bn=sync_bn, compile=compile, channels_last=channels_last, ddp=ddp,
                                **sharding)
-            self._prepared[model] = obj  # at world size 1 the model comes back unwrapped: this Run remembers it
+            # The module that trains (sync_bn may replace a top-level BatchNorm): unwrapped once, here. At
+            # world size 1 the model comes back unwrapped, and this map is how a second prepare is known.
+            self._prepared[model] = unwrap(model)
             ddp = unwrap_ddp(model)
             hook = getattr(ddp, "register_state_dict_post_hook", None)  # (torch >= 2.5)
             if hook is not None:  # ddp_kit's own saves take the unwrapped module's state_dict: only yours get here
@@ -310,7 +312,10 @@ class Run:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Your module under the DDP / torch.compile wrappers (under FSDP its parameters stay sharded:
         see full_state_dict)."""
-        module = self._prepared.get(model)
+        try:
+            module = self._prepared.get(model)
+        except TypeError:  # not weak-referenceable, so not a model this Run prepared
+            module = None
         return module if module is not None else unwrap(model)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, Any]:

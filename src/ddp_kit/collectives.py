@@ -18,6 +18,9 @@ from .errors import UserError
 if TYPE_CHECKING:
     from .dist import DistContext
 
+__all__ = ["all_gather_object", "all_reduce_sum", "all_same", "all_true", "barrier", "broadcast_object",
+           "gather_object", "rank0_verdict", "set_collective_timeout"]
+
 
 def set_collective_timeout(ctx: DistContext, seconds: float) -> None:
     """Change the timeout of every later collective, on the default and the control group (e.g.

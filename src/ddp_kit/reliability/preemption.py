@@ -140,5 +140,5 @@ def requeue(command: tuple[str, ...] | None) -> str:
     except (OSError, subprocess.SubprocessError) as exc:
         return f"could not run {shown}: {exc} (is {command[0]} on PATH in the job?)"
     if res.returncode != 0:
-        return f"{shown} failed: {res.stderr.strip() or res.stdout.strip()} (is the job requeueable?)"
+        return f"{shown} failed: {res.stderr.strip() or res.stdout.strip()} (is the job requeueable: sbatch --requeue?)"
     return f"requeued ({shown})"

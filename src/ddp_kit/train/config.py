@@ -1,7 +1,8 @@
 """The reference job's config: dataclass defaults < YAML file < command-line flags, strictly checked.
 
-Only the reference job (command.py) reads this; library modules take plain arguments. No torch
-import here, so a bad config is refused before torch (1-2 s) is even loaded.
+Only the reference job (command.py) reads this; library modules take plain arguments. Importing
+it loads no torch, and keys, types and the generic rules are checked without it; the last check is
+the chosen strategy's own rules (parallel/<name>.py), which loads that file and with it torch.
 """
 from __future__ import annotations
 
@@ -264,10 +265,10 @@ def _validate(cfg: TrainConfig) -> None:
         from .inject import parse
 
         parse(cfg.inject)
-    # The strategy owns its rules (parallel/ddp.py, parallel/fsdp.py); this imports torch, last.
-    find_strategy(cfg.strategy).check_config({k: getattr(cfg, k) for k in FIELDS}, {k: f.default for k, f in FIELDS.items()})
     if cfg.num_workers < -1:
         raise UserError(f"num_workers must be >= 0, or -1 for automatic; got {cfg.num_workers}", "e.g. --num_workers 2")
+    # The strategy owns its rules (parallel/ddp.py, parallel/fsdp.py); this imports torch, so it runs last.
+    find_strategy(cfg.strategy).check_config({k: getattr(cfg, k) for k in FIELDS}, {k: f.default for k, f in FIELDS.items()})
 
 
 def help_text() -> str:
