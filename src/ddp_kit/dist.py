@@ -295,15 +295,5 @@ def teardown(abort: bool = False) -> None:
         except Exception as exc:  # a broken group must not hide the error that broke it
             print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
 
-def __getattr__(name: str):
-    # Kept import paths, lazily (collectives.py refers back to DistContext): the control-plane
-    # helpers (barrier, all_true, ...) lived here before collectives.py.
-    from . import collectives
-
-    if name in collectives.__all__:
-        return getattr(collectives, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["DistContext", "distributed", "teardown", "choose_device", "choose_backend", "check_layout", "nccl_defaults",
            "hosts_store", "client_store"]

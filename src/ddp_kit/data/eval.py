@@ -5,7 +5,7 @@ as a sharded model (FSDP) needs, since each forward call is a collective.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 

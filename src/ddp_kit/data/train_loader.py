@@ -9,7 +9,7 @@ process's RNG, which checkpoints save; with workers see workers.py.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset, Sampler, default_collate
@@ -52,7 +52,7 @@ class _SeededBatches(Sampler[list[int]]):
     Without workers nothing is tagged: the batch loads in the main process from its RNG streams,
     which a checkpoint saves, so a resume repeats those draws as they were."""
 
-    def __init__(self, sampler: "ShardedSampler", micro_batch: int, tag: bool):
+    def __init__(self, sampler: ShardedSampler, micro_batch: int, tag: bool):
         self.sampler = sampler
         self.micro_batch = micro_batch
         self.tag = tag

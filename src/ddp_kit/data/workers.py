@@ -15,7 +15,7 @@ import random
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset

@@ -2,7 +2,7 @@
 versions, data, model shapes, config and resumed step, and then the collective timeout tightens."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -12,11 +12,11 @@ from ..errors import UserError
 from .recipe import config_hash
 from .sync_checks import check_agreement, shapes_digest
 
-if TYPE_CHECKING:
-    from .boundary import StepBoundary
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
 
 
-def agree(b: StepBoundary, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
+def agree(b: Boundary, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
     """Every rank holds the same versions, data, model shapes and resumed step (plus the caller's
     `facts`); else every rank stops with one line naming the rank."""
     mine = {"world_size": b.ctx.world_size, "ddp_kit": __version__, "torch": torch.__version__,
@@ -33,7 +33,7 @@ def agree(b: StepBoundary, facts: dict[str, Any] | None = None, details: dict[st
         check_agreement(b.ctx, mine, details)
 
 
-def check_optimizers(b: StepBoundary) -> None:
+def check_optimizers(b: Boundary) -> None:
     """Every registered optimizer steps parameters of a registered model; else the run would train
     nothing, or (a sharded strategy) fail only at its first checkpoint, possibly hours later. The usual
     cause: the optimizer was made before run.prepare, which under FSDP replaces the parameters."""
@@ -56,7 +56,7 @@ def check_optimizers(b: StepBoundary) -> None:
               f"should train the model, create it from the model run.prepare returned")
 
 
-def first_step_over(b: StepBoundary) -> None:
+def first_step_over(b: Boundary) -> None:
     if not b.resumed:  # run.resume checked them already
         b.check_optimizers()
     b.agree()

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import EXIT_USER_ERROR, UserError, report_user_error
 
-if TYPE_CHECKING:
-    from .boundary import StepBoundary
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
 
 
 class Failures:
     """sys.excepthook while a Run is open: the failure policy (crash.py) decides what this rank
     prints and its exit code. While joining (no step boundary yet) only a UserError is handled: one line."""
 
-    def __init__(self, boundary: StepBoundary | None, rank: int = 0):
+    def __init__(self, boundary: Boundary | None, rank: int = 0):
         self.boundary = boundary
         self.rank = boundary.ctx.rank if boundary is not None else rank
         self.active = True

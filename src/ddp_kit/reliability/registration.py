@@ -3,7 +3,7 @@ broadcast booked as comm), a loader's fetches (where the implicit step boundary 
 optimizer's step (counted as a step, gradients measured). Registered objects are checkpointed."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,11 +13,11 @@ from ..data import TrainLoader
 from ..errors import UserError
 from ..parallel.ddp import unwrap
 
-if TYPE_CHECKING:
-    from .boundary import StepBoundary
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
 
 
-def track(b: StepBoundary, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
+def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
     """Register `obj` for checkpointing (models, ddp_kit loaders, optimizers are also watched).
     `module`: a model's own module under its wrappers, where the caller has it."""
     if b.state.holds(obj):
@@ -45,7 +45,7 @@ def track(b: StepBoundary, obj: Any, name: str | None = None, module: nn.Module 
         base = type(obj).__name__.lower()
     b.state.add(name or b.state.next_name(base), obj)
 
-def _time_ddp_forward(b: StepBoundary, ddp: DDP) -> None:
+def _time_ddp_forward(b: Boundary, ddp: DDP) -> None:
     """DDP's pre-forward broadcasts rank 0's buffers (BatchNorm statistics) to every rank, a wait
     on the others: booked as comm (the loop's own work before the call as other), and the forward
     is timed from the inner module's start. Only inside DDP's call: the inner module alone (an

@@ -4,7 +4,7 @@ continue one lineage in the run folder (checkpoint_io.archive_lineage)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,11 +15,11 @@ from ..parallel.strategy import UNRECORDED
 from .checkpoint_io import archive_lineage
 from .recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 
-if TYPE_CHECKING:
-    from .boundary import StepBoundary
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
 
 
-def resume(b: StepBoundary, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
+def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
     """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
     for name, obj in objects.items():
         b.track(obj, name)
@@ -39,7 +39,7 @@ def resume(b: StepBoundary, objects: dict[str, Any], check: Callable[[dict], str
     return b.done
 
 
-def _restore(b: StepBoundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> None:
+def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> None:
     shared, own, meta = ckpt.load(found)
     if check is None and b.config is not None:  # a script's own config: the reference job's rules
         config = b.config

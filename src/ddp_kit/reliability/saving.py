@@ -3,7 +3,7 @@ rank's RNG, the strategy's sharded state where it has one, and meta.json."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -12,11 +12,11 @@ from ..checkpoint.checkpointer import rng_state
 from ..parallel.ddp import sync_ddp_buffers
 from .recipe import config_hash
 
-if TYPE_CHECKING:
-    from .boundary import StepBoundary
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
 
 
-def save(b: StepBoundary) -> None:
+def save(b: Boundary) -> None:
     """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
     b.flush()
     ckpt = b.checkpointer()

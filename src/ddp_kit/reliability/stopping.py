@@ -5,16 +5,16 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..collectives import barrier
 from .preemption import agree_stop, exit_code, requeue
 
-if TYPE_CHECKING:
-    from .boundary import StepBoundary
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
 
 
-def stop_if_signalled(b: StepBoundary) -> bool:
+def stop_if_signalled(b: Boundary) -> bool:
     """The ranks agree on any stop signal so far (acted on: this never returns) and on whether a
     timed checkpoint is due (returned)."""
     due = (b.ctx.is_main and bool(b.state) and b.policy.ckpt_every_s > 0 and b.rd is not None
@@ -26,7 +26,7 @@ def stop_if_signalled(b: StepBoundary) -> bool:
     return due
 
 
-def stop(b: StepBoundary, signum: int) -> None:
+def stop(b: Boundary, signum: int) -> None:
     """Checkpoint, requeue under SLURM (USR2), and exit 75 (130 for Ctrl-C), all ranks together."""
     saved = bool(b.state) and b.rd is not None
     if saved:
