@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# Imported before any test: torch's first import runs `ldconfig -p` in a subprocess (its CUDA
+# library finder), which the unit tier would otherwise refuse in whichever test imports torch first.
+import torch  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
 

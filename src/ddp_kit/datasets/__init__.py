@@ -7,28 +7,13 @@ that need them, when they are called.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from collections.abc import Callable
-
 from ..errors import UserError
+from ..registry import one_file_each
 from ._spec import DataSpec
-
-
-def _discover() -> tuple[dict[str, Callable[..., DataSpec]], dict[str, str]]:
-    builders, about = {}, {}
-    for name in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
-        module = importlib.import_module(f"{__name__}.{name}")
-        if not callable(getattr(module, name, None)):  # a new file's author reads this, not a user
-            raise ImportError(f"{module.__file__} must define {name}(data_root, download, seed, synthetic_size)")
-        builders[name] = getattr(module, name)
-        about[name] = ((module.__doc__ or "").strip().splitlines() or [""])[0]
-    return builders, about
-
 
 # One registry: name -> builder(data_root, download, seed, synthetic_size, **dataset_args);
 # DESCRIPTIONS: name -> one line.
-REGISTRY, DESCRIPTIONS = _discover()
+REGISTRY, DESCRIPTIONS = one_file_each(__name__, __path__, "(data_root, download, seed, synthetic_size)")
 DATASETS = tuple(REGISTRY)
 
 

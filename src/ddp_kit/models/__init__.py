@@ -4,29 +4,14 @@ adding its file; this face finds every such module (not those starting with "_")
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from ..errors import UserError
-
-
-def _discover() -> tuple[dict[str, Callable[..., nn.Module]], dict[str, str]]:
-    builders, about = {}, {}
-    for name in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
-        module = importlib.import_module(f"{__name__}.{name}")
-        if not callable(getattr(module, name, None)):  # a new file's author reads this, not a user
-            raise ImportError(f"{module.__file__} must define {name}(input_shape, num_classes, **model_args)")
-        builders[name] = getattr(module, name)
-        about[name] = ((module.__doc__ or "").strip().splitlines() or [""])[0]
-    return builders, about
-
+from ..registry import one_file_each
 
 # One registry: name -> builder(input_shape, num_classes, **model_args); DESCRIPTIONS: name -> one line.
-REGISTRY, DESCRIPTIONS = _discover()
+REGISTRY, DESCRIPTIONS = one_file_each(__name__, __path__, "(input_shape, num_classes, **model_args)")
 MODELS = tuple(REGISTRY)
 
 
