@@ -146,3 +146,23 @@ def test_oom_report_reads_the_cap_where_torch_exposes_it(monkeypatch, torch_tell
     line = oom_report(torch.device("cuda", 0), 16, 128, 2, "off")[0]
     assert "peak 32.00 GiB" in line
     assert ("cap of 32.00 GiB (memory fraction 0.4 of the card's 80.00 GiB)" if torch_tells else "of the card's 80.00 GiB") in line, line
+
+
+def test_a_cuda_error_gets_the_doctors_findings_by_default_and_the_scripts_notes_when_given(tmp_path, capsys):
+    """The failure policy (reliability/crash.py) imports no doctor: ddp_kit.init hands it the doctor's
+    findings, and run.explain_cuda_errors replaces them. The CUDA error is a plain RuntimeError with
+    CUDA's text (no GPU here); the handler only reads the message."""
+    import ddp_kit
+    from ddp_kit.doctor import findings_for_error
+    from ddp_kit.reliability.crash import handle
+
+    with ddp_kit.init(run_dir=str(tmp_path / "r"), hang_timeout_s=0) as run:
+        boundary = run._boundary
+        assert boundary.cuda_notes is findings_for_error
+        run.explain_cuda_errors(lambda err: [f"micro-batch note for {type(err).__name__}"])
+        cuda = RuntimeError("CUDA error: an illegal memory access was encountered")
+        handle(cuda, run.ctx, 3, "forward/backward", str(tmp_path), notes=boundary.cuda_notes)
+        handle(ValueError("not a GPU problem"), run.ctx, 3, "forward/backward", str(tmp_path), notes=boundary.cuda_notes)
+    err = capsys.readouterr().err
+    assert err.count("micro-batch note for RuntimeError") == 1, err
+    assert "failed at step 3 in forward/backward: ValueError: not a GPU problem" in err

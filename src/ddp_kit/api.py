@@ -48,6 +48,7 @@ from .collectives import all_gather_object, all_reduce_sum, barrier
 from .data import TrainLoader, eval_loader, per_rank_batch
 from .data.resample import loader_sampling
 from .dist import DistContext, distributed
+from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .errors import UserError
 from .parallel.fsdp import full_state_dict, is_sharded
@@ -461,6 +462,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     kernel_settings(ctx.device, tf32=tf32, cudnn_benchmark=cudnn_benchmark, deterministic=deterministic)
     boundary = StepBoundary(ctx, policy, progress, flag)
     boundary.config = config_as_json(config)
+    boundary.cuda_notes = findings_for_error  # the doctor's findings beside a CUDA/NCCL error (explain_cuda_errors replaces them)
     box.append(boundary)
     stack.callback(boundary.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that

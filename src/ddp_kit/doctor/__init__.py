@@ -4,7 +4,7 @@ facts.py gathers, checks.py judges (pure functions), active.py measures (--comm,
 """
 from __future__ import annotations
 
-__all__ = ["describe_oom", "findings_for_error", "is_cuda_error", "oom_report"]
+__all__ = ["describe_oom", "findings_for_error", "oom_report"]
 
 
 def findings_for_error(err: BaseException, amp: str | None = None) -> list[str]:
@@ -17,11 +17,6 @@ def findings_for_error(err: BaseException, amp: str | None = None) -> list[str]:
     except Exception:  # the doctor must never hide the original error
         return []
     return [f"doctor: {f.status}: {f.name}: {f.message} (fix: {f.fix})" for f in findings if f.status in (FAIL, WARN) and f.fix]
-
-
-def is_cuda_error(err: BaseException) -> bool:
-    text = f"{type(err).__name__}: {err}"
-    return any(k in text for k in ("CUDA", "cuda", "NCCL", "OutOfMemoryError", "cuDNN", "CUBLAS"))
 
 
 def oom_report(device, micro_batch: int, global_batch: int, grad_accum: int, amp: str) -> list[str]:

@@ -22,7 +22,6 @@ import traceback
 from collections.abc import Callable
 
 from ..dist import DistContext, hosts_store
-from ..doctor import findings_for_error, is_cuda_error
 from ..errors import EXIT_USER_ERROR, UserError
 from .failfast import EXIT_PEER_FAILED, LINGER_S, peer_failure, post, same_error, say_stop
 from .peer_loss import diagnose_peer_loss, is_comm_error
@@ -75,10 +74,17 @@ def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir
     if stands is None or stands["rank"] == ctx.rank or not same_error(stands, err):
         print(f"ddp_kit: error: rank {ctx.rank} failed at step {step} in {phase}: {type(err).__name__}: {err}\n"
               + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
-        if is_cuda_error(err):
-            for line in (notes(err) if notes else findings_for_error(err)):
+        if notes is not None and is_cuda_error(err):
+            for line in notes(err):
                 print(f"ddp_kit: [rank {ctx.rank}] {line}", file=sys.stderr, flush=True)
     else:
         say_stop(ctx.rank, stands)
     linger(ctx)
     return EXIT_FAILED
+
+
+def is_cuda_error(err: BaseException) -> bool:
+    """Whether `err` came from CUDA, NCCL or cuDNN (then the caller's notes, by default the doctor's
+    findings, are printed beside it)."""
+    text = f"{type(err).__name__}: {err}"
+    return any(k in text for k in ("CUDA", "cuda", "NCCL", "OutOfMemoryError", "cuDNN", "CUBLAS"))
