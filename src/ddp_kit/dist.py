@@ -24,9 +24,14 @@ from torch.torch_version import TorchVersion
 
 from .env import DistEnv, check_gpus, detect
 from .errors import EXIT_USER_ERROR, UserError
-from .reliability.failfast import LINGER_S, FailFast, post, store_prefix
-from .reliability.watchdog import FR_PREFIX
+from .failfast import LINGER_S, FailFast, announce, post, store_prefix
 from .resources import apply_cpu_settings
+
+# NCCL's flight recorder dumps are named <prefix><rank>, torch's own naming (its dump on timeout
+# writes there too, see nccl_defaults), which fr_trace parses: it infers the prefix from names
+# ending in the rank, and reads the rank as int(name[len(prefix):]).
+# The watchdog reads the same files.
+FR_PREFIX = "nccl_trace_rank_"
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     when the default group is NCCL, where a control collective would otherwise cost device syncs).
     `fail_fast`: end this process (exit code 1, after one line naming the rank at fault) as soon as
     another rank posts a failure in the rendezvous store, and post this rank's own rendezvous failure
-    there; a thread polls the store from before the rendezvous until teardown (reliability/failfast.py).
+    there; a thread polls the store from before the rendezvous until teardown (failfast.py).
     Off by default, since it may end the caller's process from a thread: `ddp_kit.init` turns it on.
     """
     env = detect() if env is None else env
@@ -295,5 +300,5 @@ def teardown(abort: bool = False) -> None:
         except Exception as exc:  # a broken group must not hide the error that broke it
             print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
 
-__all__ = ["DistContext", "distributed", "teardown", "choose_device", "choose_backend", "check_layout", "nccl_defaults",
+__all__ = ["DistContext", "announce", "distributed", "teardown", "choose_device", "choose_backend", "check_layout", "nccl_defaults",
            "hosts_store", "client_store"]

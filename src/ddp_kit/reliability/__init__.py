@@ -1,10 +1,9 @@
 """The step boundary and what it schedules: checkpoints, preemption, fail-fast, the watchdog, peer
 loss, sync checks, numerics, metrics and the run folder."""
 
-# The public names, each imported from its module on first use: dist.py imports failfast and
-# watchdog, so importing those modules here would cycle (and load torch for a config check).
+# The public names, each imported from its module on first use: the reference job's config check
+# asks for config_hash, and importing every module here would load torch for it.
 _PUBLIC = {
-    "announce": "failfast",  # a rank that fails before the process group exists tells the others
     "param_sha256": "sync_checks",
     "NOT_RECIPE": "recipe", "RESUMABLE": "recipe", "config_hash": "recipe", "describe_changes": "recipe",
     "recipe_changes": "recipe", "refuse_changed": "recipe",

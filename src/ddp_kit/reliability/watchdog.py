@@ -26,16 +26,13 @@ import time
 import traceback
 from pathlib import Path
 
+from ..dist import FR_PREFIX
 from ..env import poll_period
-from .failfast import post
+from ..failfast import post
 from .progress import PHASES, SLOW_PHASES, Progress
 
 EXIT_HANG = 3
 _ABORT = "ddp_kit/abort"
-# NCCL's flight recorder dumps are named <prefix><rank>, torch's own naming (its dump on timeout
-# writes there too, see dist.nccl_defaults), which fr_trace parses: it infers the prefix from names
-# ending in the rank, and reads the rank as int(name[len(prefix):]).
-FR_PREFIX = "nccl_trace_rank_"
 
 _LIBRARY_DIRS = (str(Path(__file__).resolve().parent), str(Path(traceback.__file__).resolve().parent))
 

@@ -18,10 +18,11 @@ import torch
 from .. import __version__
 from ..api import Run, init, init_options
 from ..data import per_rank_batch
+from ..dist import announce
 from ..doctor import findings_for_error, oom_report
 from ..env import DistEnv, detect
 from ..errors import EXIT_USER_ERROR, UserError, report_user_error
-from ..reliability import announce, param_sha256, refuse_changed
+from ..reliability import param_sha256, refuse_changed
 from .config import TrainConfig, help_text, resolve
 from .inject import parse as parse_faults
 from .job import build
