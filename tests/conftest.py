@@ -18,19 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
-# The slowest files first (measured in CI, longest first): `-n 2 --dist loadfile` hands out whole
-# files in collection order, so a long file collected last would run alone on one core at the end.
-SLOWEST_FIRST = ("test_slurm.py", "test_checkpoint.py", "test_fsdp.py", "test_reliability.py", "test_own_script.py",
-                 "test_scale.py", "test_sync.py", "test_lone_rank.py", "test_loader_workers.py", "test_own_resume.py",
-                 "test_tasks.py", "test_train.py", "test_preempt.py", "test_config.py", "test_forged.py")
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.unit)
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its own order
 
 
 @pytest.fixture(autouse=True)
