@@ -1,5 +1,6 @@
 """Per-rank metrics, the straggler warning (a rank slowed by a test hook), report.png/csv, no tensorboard."""
 import json
+import statistics
 import sys
 
 import pytest
@@ -42,8 +43,11 @@ def test_slowed_rank_is_named_and_stands_out_in_report(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["event"] == "train"]
     assert all(len(r["ranks"]) == 2 for r in train)
+    # Per window, over all of them: the last window holds one step (66 = 13 x 5 + 1), too few to
+    # compare on its own on a loaded machine.
+    local = {r: [x["local_s"] for w in train for x in w["ranks"] if x["rank"] == r] for r in (0, 1)}
+    assert statistics.median(local[1]) > statistics.median(local[0]) + 0.010, local
     late = train[-1]["ranks"]
-    assert late[1]["local_s"] > late[0]["local_s"] + 0.010
     assert {"data_s", "forward_s", "backward_s", "optimizer_s", "samples_per_s", "peak_mem_mb", "host"} <= set(late[0])
     # the report in this process (the command's own start is test_report_own's): what it draws from this run
     from ddp_kit.report import main as report

@@ -64,7 +64,10 @@ class Watchdog:
         self.peer_timeout_s = max(peer_timeout_s, 3 * self.poll_s) if peer_timeout_s > 0 else 0.0
         self._peer = (rank + 1) % world_size
         self._peer_seen: tuple[str, float] | None = None  # (its last heartbeat, when it changed, our clock)
-        self._early_said = 0.0  # the `since` of the stall an early (before step 1) report was printed for
+        # An early report (a stall before step 1 is over) is printed once per run: the stall's clock
+        # restarts when its phase is re-entered (a collective's timeout lands the rank in the error
+        # path), and a second report of the same step 1 says nothing new.
+        self._early_said = False
         self.dump_dir = Path(dump_dir)
         self.host = host or os.uname().nodename
         self._stop = threading.Event()
@@ -123,8 +126,8 @@ class Watchdog:
         limit = self.slow_timeout_s if slow else self.hang_timeout_s
         if stalled_for > limit:
             self._on_hang(stalled_for)
-        elif not p.warm and self.world_size > 1 and stalled_for > self.hang_timeout_s and self._early_said != p.since:
-            self._early_said = p.since  # once per stall
+        elif not p.warm and self.world_size > 1 and stalled_for > self.hang_timeout_s and not self._early_said:
+            self._early_said = True
             self._early_report(stalled_for)
         if self.peer_timeout_s and p.warm and self.world_size > 1:  # before step 1 is over, startup's own timeout applies
             self._watch_peer()
