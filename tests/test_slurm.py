@@ -187,7 +187,9 @@ def test_mistake_many_tasks_without_srun(cluster, tmp_path):
 
 def test_mistake_unresolvable_master(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    job = submit(cluster, "srun.sbatch", run_dir, env={"MASTER_ADDR": "no-such-host.invalid"})
+    # A name that does not resolve is retried quietly until init_timeout_s (it may be a DNS record
+    # that appears late, reach.py): a short bound, below the one "waiting" line's 5 s.
+    job = submit(cluster, "srun.sbatch", run_dir, "--init_timeout_s", "4", env={"MASTER_ADDR": "no-such-host.invalid"})
     info = cluster.wait_job(job, timeout=120)
     text = output(run_dir, job)
     assert info["JobState"] == "FAILED", text

@@ -40,7 +40,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as tdist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -442,10 +441,8 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     joining = Failures(None)  # for errors while joining: there is no process group yet
     env = detect() if env is None else env
     joining.rank = env.rank  # before anything is checked: a mistake every rank makes is printed by rank 0 only
-    if tdist.is_initialized():
-        raise UserError("ddp_kit.init() was called while a process group already exists (a second ddp_kit.init(), "
-                        "or your own init_process_group)", "call ddp_kit.init() once and pass the Run it returns "
-                        "around; it sets up the process group itself")
+    # A process group that exists already (Ray Train's, your own init_process_group) is adopted by
+    # distributed() below; a second ddp_kit.init() is refused there.
     policy = policy_from_options(run_dir, options, _keywords(Run.prepare) - {"objs"}, _keywords(init, own=True))
     progress = Progress()
     box: list[StepBoundary] = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import sys
 import threading
 import time
@@ -22,9 +21,11 @@ import torch
 import torch.distributed as tdist
 from torch.torch_version import TorchVersion
 
+from .adopt import forget_ours, group_env, mark_ours, ours
 from .env import DistEnv, check_gpus, detect
 from .errors import EXIT_USER_ERROR, UserError
 from .failfast import LINGER_S, FailFast, announce, post, store_prefix
+from .reach import wait_for_master
 from .resources import apply_cpu_settings
 
 # NCCL's flight recorder dumps are named <prefix><rank>, torch's own naming (its dump on timeout
@@ -83,11 +84,15 @@ class DistContext:
         return self.env.rank == 0
 
 
-def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
+def choose_device(env: DistEnv, device: str = "auto", bound: bool = False) -> torch.device:
     """cuda:<local_rank> when CUDA is there (or asked for), else cpu. "cuda:<i>" puts every rank of the
-    node on GPU i (with backend gloo: NCCL refuses two ranks on one GPU), e.g. to test on one GPU."""
+    node on GPU i (with backend gloo: NCCL refuses two ranks on one GPU), e.g. to test on one GPU.
+    `bound`: whoever created the process group may have bound this process to its GPU already
+    (torch.cuda.set_device, as Ray Train does): that GPU is kept."""
     if device == "cpu":
         return torch.device("cpu")
+    if bound and device in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
     if device.startswith("cuda:") and device[5:].isdigit():
         if not torch.cuda.is_available() or int(device[5:]) >= torch.cuda.device_count():
             raise UserError(f"device={device} was asked for but only {torch.cuda.device_count()} GPU(s) are visible",
@@ -111,16 +116,9 @@ def choose_device(env: DistEnv, device: str = "auto") -> torch.device:
 
 
 def check_layout(env: DistEnv, device: torch.device, environ=None) -> None:
-    """Refuse layouts that would hang or mis-assign GPUs, before any rendezvous; warn about waste."""
+    """Refuse GPU layouts that would mis-assign GPUs, before any rendezvous; warn about waste.
+    (Whether the master host can be reached is reach.wait_for_master's: a bounded wait, not a check.)"""
     environ = os.environ if environ is None else environ
-    if env.world_size > 1 and env.master_addr:
-        try:
-            socket.getaddrinfo(env.master_addr, None)
-        except OSError:
-            # Said once per node (by its local rank 0): name resolution is the node's, not the rank's.
-            raise UserError(f"master host {env.master_addr!r} ({env.launcher}) does not resolve from {socket.gethostname()}",
-                            "set MASTER_ADDR to a name or address every node can resolve",
-                            rank=env.rank if env.local_rank == 0 else None) from None
     if device.type != "cuda":
         return
     for warning in check_gpus(env, torch.cuda.device_count(), environ):  # the launcher's own layout rules
@@ -189,19 +187,40 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     another rank posts a failure in the rendezvous store, and post this rank's own rendezvous failure
     there; a thread polls the store from before the rendezvous until teardown (failfast.py).
     Off by default, since it may end the caller's process from a thread: `ddp_kit.init` turns it on.
+
+    A default group that already exists (Ray Train's, or the caller's own init_process_group) is
+    adopted rather than refused (adopt.py): its rank, world size and backend stand, ddp_kit adds
+    its side group and its store traffic, and leaves the group itself to its owner at exit.
     """
     env = detect() if env is None else env
-    dev = choose_device(env, device)
+    adopting = tdist.is_initialized()
+    if adopting:  # Ray Train, a framework, or the user's own init_process_group made it (adopt.py)
+        if ours():
+            raise UserError("ddp_kit's process group already exists (a second ddp_kit.init() or distributed())",
+                            "call ddp_kit.init() once and pass the Run it returns around")
+        env = group_env(env)
+    dev = choose_device(env, device, bound=adopting)
     # A scheduler's per-task binding shows each task only its own GPU: cuda:0 is then not shared
     own_gpu = env.scheduler_binds_gpus and dev.type == "cuda" and torch.cuda.device_count() == 1
     be = choose_backend(dev, backend, shared_gpu=device.startswith("cuda:") and env.local_world_size > 1 and not own_gpu)
+    if adopting:
+        be = _adopted_backend(be, dev)
     check_layout(env, dev)
+    timeout = timedelta(seconds=timeout_s)
+    if not (adopting or env.rendezvous_by_launcher):
+        # The master's name and store may appear seconds after this process (a Kubernetes pod's DNS
+        # record): wait for them, quietly and bounded, out of the same startup budget.
+        timeout_s = max(1.0, timeout_s - wait_for_master(env, timeout_s, connects=not hosts_store(env)))
+        timeout = timedelta(seconds=timeout_s)
     if be == "nccl":
         nccl_defaults(dump_dir)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # before init, so NCCL never touches GPU 0 from every rank
     apply_cpu_settings(env, dev)
-    timeout = timedelta(seconds=timeout_s)
+    if adopting:
+        with _adopted(env, dev, be, timeout, side_group, fail_fast) as ctx:
+            yield ctx
+        return
     # Every rendezvous wait is bounded: a client connected to a foreign program on the port (or
     # waiting for a rank that never comes) would otherwise wait with no end and no word.
     deadline = threading.Timer(timeout_s, _rendezvous_timed_out, args=(env, timeout_s))
@@ -217,6 +236,7 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         if dev.type == "cuda":
             kwargs["device_id"] = dev
         tdist.init_process_group(be, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+        mark_ours()
         side = (be == "nccl") if side_group is None else side_group
         control = tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
     except UserError:
@@ -246,6 +266,49 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
         if failfast:
             failfast.stop()
         teardown(abort=(failed or ctx.failing.is_set()) and be == "nccl")
+
+
+def _adopted_backend(asked: str, dev: torch.device) -> str:
+    """The existing group's backend; a device it cannot serve is one line."""
+    be = tdist.get_backend()
+    if be == "nccl" and dev.type != "cuda":
+        raise UserError("the existing process group is NCCL but this process has no CUDA device",
+                        "create the group with backend gloo on CPU, or give the process a GPU", local=True)
+    if asked != be and asked != "gloo":  # gloo is what auto picks on CPU: no word for that
+        print(f"ddp_kit: warning: the existing process group uses {be}; backend {asked} does not apply",
+              file=sys.stderr, flush=True)
+    return be
+
+
+@contextmanager
+def _adopted(env: DistEnv, dev: torch.device, be: str, timeout: timedelta, side_group: bool | None,
+             fail_fast: bool) -> Iterator[DistContext]:
+    """The context over a default group someone else created: ddp_kit's store under its own prefix
+    (a connection of its own to the group's TCPStore), its gloo side group, and no teardown of the
+    group itself (its owner destroys it)."""
+    timeout_s = timeout.total_seconds()
+    store = client_store(env, timeout_s)
+    failfast = None
+    if fail_fast and env.world_size > 1:
+        failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
+                            linger_s=LINGER_S if hosts_store(env) else 0.0).start()
+    side = (be == "nccl") if side_group is None else side_group
+    control = tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
+    ctx = DistContext(env=env, device=dev, backend=be, store=store, timeout_s=timeout_s, failfast=failfast,
+                      control_group=control)
+    failed = True
+    try:
+        yield ctx
+        failed = False
+    finally:
+        if failfast:
+            failfast.stop()
+        gc.collect()  # DDP's reducer goes before the group does (see teardown)
+        if control is not None and not failed and tdist.is_initialized():
+            try:
+                tdist.destroy_process_group(control)
+            except Exception as exc:
+                print(f"ddp_kit: warning: destroying ddp_kit's side group failed: {exc}", file=sys.stderr)
 
 
 def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:
@@ -292,6 +355,7 @@ def teardown(abort: bool = False) -> None:
     their pending work, which after a failed or hung collective never finishes."""
     gc.collect()
     if tdist.is_available() and tdist.is_initialized():
+        forget_ours()
         try:
             if abort:
                 tdist.distributed_c10d._abort_process_group()

@@ -56,6 +56,10 @@ class CheckpointBackend(Protocol):
     def wait(self) -> None:
         """Block until a pending save is committed; re-raise its error here."""
 
+    def take_timings(self) -> list[dict[str, float]]:
+        """The saves committed since the last call, oldest first: {"step", "blocking_s" (the loop's
+        wait in save), "commit_s" (from save to the commit)} (reliability/grace.py records them)."""
+
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
         """The step to resume from (collective): "auto" the newest valid one (at most `latest`, damaged
         ones reported through `warn`), "never" None, else the named step, refused in one line if invalid."""

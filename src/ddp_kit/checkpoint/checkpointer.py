@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -69,6 +70,11 @@ class Checkpointer:
         self.keep_last, self.async_save, self.timeout_s = keep_last, async_save, timeout_s
         self.write_delay_s = write_delay_s
         self._thread: threading.Thread | None = None
+        # How long each save took (take_timings): when save() began, by step; the loop's blocked
+        # time, by step; (step, seconds to commit) appended once committed, by the writer thread too.
+        self._started: dict[int, float] = {}
+        self.blocking_s: dict[int, float] = {}
+        self.committed: list[tuple[int, float]] = []
         self._error: BaseException | None = None
         self._buffers: Any = None  # the previous async snapshot (its CPU buffers are reused)
         self._hosts: dict[str, HostBuffer | None] = {}  # per file kind: the flat page-locked buffer
@@ -84,6 +90,8 @@ class Checkpointer:
         every rank) goes through DCP into dcp/. Returns once committed, or once the state is copied
         to CPU when async."""
         self.wait()  # a second save waits for the first
+        started = time.monotonic()
+        self._started[step] = started
         refuse_nonfinite(self.ctx, step, shared, sharded, self.latest_name)
         if self.async_save:
             if self.ctx.is_main:  # one flat buffer per file: torch.save writes one storage per file
@@ -109,6 +117,17 @@ class Checkpointer:
             if self.ctx.device.type == "cuda":  # plain CPU tensors on disk: loadable with no GPU
                 shared, per_rank = (to_host(shared) if self.ctx.is_main else {}), to_host(per_rank)
             self._commit(step, shared, per_rank, meta, sharded)
+        self.blocking_s[step] = time.monotonic() - started
+
+    def take_timings(self) -> list[dict[str, float]]:
+        """The checkpoints committed since the last call: step, seconds the loop was blocked, seconds
+        from save() to the commit (the time a preemption's grace period must cover)."""
+        out = []
+        while self.committed:
+            step, commit_s = self.committed.pop(0)
+            out.append({"step": step, "blocking_s": round(self.blocking_s.pop(step, commit_s), 4),
+                        "commit_s": round(commit_s, 4)})
+        return out
 
     def _dcp_group(self) -> Any:
         if self._group is None:
@@ -171,6 +190,9 @@ class Checkpointer:
     def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any = None) -> None:
         try:
             self._commit_files(step, shared, per_rank, meta, shards)
+            started = self._started.pop(step, None)
+            if started is not None:  # list.append is atomic: the async writer thread may be the one here
+                self.committed.append((step, time.monotonic() - started))
         except (OSError, RuntimeError) as exc:
             if not disk_full(exc):
                 raise

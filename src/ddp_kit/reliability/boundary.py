@@ -41,7 +41,7 @@ from ..dist import DistContext
 from ..errors import UserError
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy
-from . import agreement, registration, resume, saving, stopping
+from . import agreement, grace, registration, resume, saving, stopping
 from .checkpoint_io import open_checkpointer
 from .crash import handle
 from .lifecycle import RunResources, watch_store
@@ -87,6 +87,8 @@ class StepBoundary:
         self.done = 0  # optimizer steps completed (resumed ones included)
         self.saved_step = -1
         self.last_save_t = time.monotonic()
+        self.last_ckpt_s: float | None = None  # the last committed checkpoint's seconds to commit (grace.py)
+        self.grace_warned = False
         self.resumed_from: int | None = None
         self.resumed_path: Path | None = None
         self.pending = False  # an optimizer stepped since the last boundary (implicit mode)
@@ -111,6 +113,7 @@ class StepBoundary:
         """Before any work: the run folder is checked and locked, the watchdog runs."""
         self.resources.start(self.config)
         self.records.writer = self.resources.writer
+        grace.check_at_start(self)
         return self
 
     @property
@@ -121,6 +124,7 @@ class StepBoundary:
         try:
             if self._ckpt is not None:
                 self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
+                grace.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
         except Exception:
             if not self.failed:  # after a failure, the failure is what gets reported
                 raise

@@ -10,6 +10,7 @@ import torch
 from .. import __version__
 from ..checkpoint.checkpointer import rng_state
 from ..parallel.ddp import sync_ddp_buffers
+from . import grace
 from .recipe import config_hash
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
@@ -40,3 +41,4 @@ def save(b: Boundary) -> None:
     b.progress.enter(phase)
     b.saved_step = b.done
     b.last_save_t = time.monotonic()
+    grace.note_timings(b)  # this save's time if it committed already, else the previous one's

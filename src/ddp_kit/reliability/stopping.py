@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from ..collectives import barrier
+from . import grace
 from .preemption import agree_stop, exit_code, requeue
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
@@ -29,16 +30,19 @@ def stop_if_signalled(b: Boundary) -> bool:
 def stop(b: Boundary, signum: int) -> None:
     """Checkpoint, requeue under SLURM (USR2), and exit 75 (130 for Ctrl-C), all ranks together."""
     saved = bool(b.state) and b.rd is not None
+    took = time.monotonic()
     if saved:
         b.save()
         b.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
         b.checkpointer().wait()
+        grace.note_timings(b)
+    took = time.monotonic() - took
     wants_requeue = signum == signal.SIGUSR2 and b.ctx.env.requeue_command is not None
     code = exit_code(signum)
     if b.ctx.is_main:
         # Printed before the requeue: SLURM ends this job the moment it requeues it.
         what = "interrupted" if signum == signal.SIGINT else "preempted"
-        kept = ("checkpoint saved" if saved else "no checkpoint (no run_dir)" if b.rd is None
+        kept = (f"checkpoint saved in {took:.1f}s" if saved else "no checkpoint (no run_dir)" if b.rd is None
                 else "no checkpoint (nothing registered with run.resume)")
         print(f"ddp_kit: {what} by {signal.Signals(signum).name} after step {b.done}: {kept}; "
               f"{'requeueing the job' if wants_requeue else 'rerun the same command to resume'}; "
