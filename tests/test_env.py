@@ -169,7 +169,9 @@ def test_facts_of_a_plain_process():
 def test_launchers_are_tried_in_order_and_each_says_none_when_not_its_process():
     from ddp_kit.env import LAUNCHERS
 
-    assert [m.NAME for m in LAUNCHERS] == ["torchrun", "env", "slurm", "single"]
+    # the engines' own files joined the order (issue 27): Ray before torchrun, the operators before env://
+    assert [m.NAME for m in LAUNCHERS] == ["ray", "torchrun", "trainer", "volcano", "pytorchjob", "env", "slurm",
+                                           "single"]
     for launcher in LAUNCHERS[:-1]:
         assert launcher.detect({}) is None  # only the last always answers
     assert LAUNCHERS[-1].detect({}) == DistEnv()
@@ -185,3 +187,72 @@ def test_srun_gpu_layout_rules():
     assert "--ntasks-per-node=4" in e.value.hint
     assert check_gpus(detect({**SLURM_SRUN, "SLURM_GPUS_ON_NODE": "2"}), 2, {}) == []
     assert check_gpus(detect(TORCHRUN), 8, {}) == []  # torchrun has no rules of its own here
+
+
+# ---- misses found against peer projects' expectations (issue 27) ------------------------------------------
+
+# Task 0 of `srun --pty -n 8 bash` (srun made the job, named after its command, and step 0 of it):
+# srun --pty exports SLURM_PTY_PORT/WIN_COL/WIN_ROW (SchedMD/slurm src/srun/srun.c, setup_env).
+PTY_SHELL = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "bash", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+             "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_PTY_PORT": "34889", "SLURM_PTY_WIN_COL": "236", "SLURM_PTY_WIN_ROW": "64"}
+
+
+def test_command_typed_into_an_srun_pty_shell_trains_alone_and_says_so():
+    env = detect(PTY_SHELL)
+    assert (env.world_size, env.launched) == (1, False)
+    assert len(env.notes) == 1 and "srun --pty" in env.notes[0] and "8 tasks" in env.notes[0]
+    assert env.job_id == "4242"  # the allocation's facts still apply
+    salloc_shell = {**PTY_SHELL, "SLURM_JOB_NAME": "interactive"}  # `srun --pty bash` inside salloc
+    assert detect(salloc_shell).world_size == 1
+
+
+def test_real_steps_next_to_a_pty_shell_stay_steps():
+    no_pty = {k: v for k, v in PTY_SHELL.items() if not k.startswith("SLURM_PTY_")}
+    assert detect(no_pty).world_size == 8  # `srun -n 8 python train.py` as the job's step 0
+    overlap = {**PTY_SHELL, "SLURM_STEP_ID": "1", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
+    env = detect(overlap)  # `srun --overlap -n 8 python ...` typed in the shell: step 1, PTY vars inherited
+    assert (env.rank, env.world_size, env.node_rank, env.notes) == (5, 8, 1, ())
+    named = {**PTY_SHELL, "SLURM_JOB_NAME": "train"}  # `srun --pty -n 8 python` in job "train"
+    assert detect(named).world_size == 8
+
+
+@pytest.mark.parametrize("extra,layout", [
+    ({"GROUP_RANK": "1"}, (4, 1, 2)),  # from RANK - LOCAL_RANK over GROUP_RANK
+    ({"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}, (4, 1, 2)),
+    ({"GROUP_RANK": "0", "RANK": "2"}, (8, 0, 1)),  # node 0, nothing says more nodes: one node
+])
+def test_torchrun_style_variables_without_local_world_size(extra, layout):
+    base = {"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    for marks in ({"TORCHELASTIC_RUN_ID": "r"}, {}):  # torchrun's, or another tool's
+        env = detect({**base, **extra, **marks})
+        assert (env.local_world_size, env.node_rank, env.num_nodes) == layout
+        assert env.local_rank == 2
+
+
+def test_inconsistent_torchrun_variables_are_taken_as_given_not_refused():
+    # Lightning's torchelastic test environment: rank 1 as local rank 2 of node 3, world 20
+    env = detect({"MASTER_ADDR": "1.2.3.4", "MASTER_PORT": "500", "LOCAL_RANK": "2", "GROUP_RANK": "3",
+                  "RANK": "1", "WORLD_SIZE": "20", "TORCHELASTIC_RUN_ID": "1"})
+    assert (env.rank, env.local_rank, env.world_size, env.node_rank) == (1, 2, 20, 3)
+    assert env.local_rank < env.local_world_size
+
+
+def test_submitit_exported_variables_in_an_srun_task_take_the_node_from_slurm():
+    # submitit's TorchDistributedEnvironment.export(): MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK
+    submitit = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "gpu01", "MASTER_PORT": "23456"}
+    env = detect({**SLURM_SRUN, **submitit})
+    assert (env.rank, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes) == (5, 1, 2, 1, 4)
+    assert env.launcher == "env" and env.scheduler_binds_gpus and not env.rendezvous_by_launcher
+    assert env.requeue_command == ("scontrol", "requeue", "123456")
+    assert detect({**SLURM_SRUN, **submitit, "LOCAL_WORLD_SIZE": "2"}).node_rank == 1  # newer submitit
+
+
+@pytest.mark.parametrize("text", ["compute-b2[1-,4]", "n[1-x]", "n[3-1]", "n[1-2", "n[]", "n[1,,2]", "a,,b"])
+def test_malformed_nodelist_is_one_line_naming_it(text):
+    with pytest.raises(UserError) as e:
+        expand_nodelist(text)
+    assert repr(text) in e.value.message and "\n" not in e.value.line()
+    with pytest.raises(UserError):
+        detect({**SLURM_SRUN, "SLURM_JOB_NODELIST": text})

@@ -18,9 +18,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("script", ["launch/torchrun.sh", "slurm/srun.sbatch", "slurm/torchrun.sbatch", ".ci/run"])
+K8S_SCRIPTS = ["src/ddp_kit/launch/templates/k8s/pod.sh", "src/ddp_kit/launch/templates/k8s/rank.sh"]
+
+
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "slurm/srun.sbatch", "slurm/torchrun.sbatch", ".ci/run",
+                                    *K8S_SCRIPTS])
 def test_shell_syntax(script):
     assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
+
+
+@pytest.mark.parametrize("script", K8S_SCRIPTS)
+def test_pod_scripts_are_posix_sh(script):
+    """The pod entrypoints run as `sh -c` in images we do not choose: dash (Debian's sh) must read them too."""
+    assert subprocess.run(["sh", "-n", str(ROOT / script)]).returncode == 0
 
 
 @pytest.mark.parametrize("golden", sorted(CASES))

@@ -17,7 +17,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 def test_every_launch_template_is_package_data():
     globs = PYPROJECT["tool"]["setuptools"]["package-data"]["ddp_kit.launch"]
     templates = Path(ddp_kit.launch.__file__).parent / "templates"
-    files = sorted(p.name for p in templates.iterdir())
+    files = sorted(str(p.relative_to(templates)) for p in templates.rglob("*") if p.is_file())
     assert files, templates
     missing = [f for f in files if not any(fnmatch.fnmatch(f"templates/{f}", g) for g in globs)]
     assert not missing, f"not shipped in the wheel: {missing} (add them to [tool.setuptools.package-data])"

@@ -193,6 +193,9 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     its side group and its store traffic, and leaves the group itself to its owner at exit.
     """
     env = detect() if env is None else env
+    if env.rank == 0:
+        for note in env.notes:  # what detection wants said once (e.g. an interactive srun shell)
+            print(f"ddp_kit: warning: {note}", file=sys.stderr, flush=True)
     adopting = tdist.is_initialized()
     if adopting:  # Ray Train, a framework, or the user's own init_process_group made it (adopt.py)
         if ours():
@@ -296,6 +299,10 @@ def _adopted(env: DistEnv, dev: torch.device, be: str, timeout: timedelta, side_
     control = tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
     ctx = DistContext(env=env, device=dev, backend=be, store=store, timeout_s=timeout_s, failfast=failfast,
                       control_group=control)
+    if env.rank == 0:
+        engine = getattr(env, "engine", None)
+        print(f"ddp_kit: joined the existing process group ({be}, {env.world_size} rank(s)"
+              f"{', ' + engine if engine else ''}); it stays its creator's to destroy", file=sys.stderr, flush=True)
     failed = True
     try:
         yield ctx

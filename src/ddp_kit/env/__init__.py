@@ -8,27 +8,39 @@ torch, so the doctor and the launch helpers can use it cheaply.
 One file per launcher, each with `NAME` and a pure `detect(environ) -> DistEnv | None` (None: not
 this launcher), and optionally `check_gpus(env, visible, environ)` for its own GPU layout rules.
 A new launcher is a new file plus one line in `LAUNCHERS`; nothing outside this package compares
-`DistEnv.launcher` to a name: the rest asks DistEnv's neutral facts.
+`DistEnv.launcher` or `DistEnv.engine` to a name: the rest asks DistEnv's neutral facts. An engine's
+file (a Kubernetes operator, Ray Train) is a launcher when the engine itself gave the ranks, and an
+`around` in SCHEDULERS that names the engine when torchrun ran inside it. docs/engines.md tabulates
+what each engine sets and what is derived from it.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 
-from . import env_vars, single, slurm, torchrun
+from . import env_vars, grace, kubeflow_trainer, pod, pytorchjob, ray_train, single, slurm, torchrun, volcano
 from .base import DistEnv, check_place
 from .polling import STORE_OPS_PER_S, poll_period
 from .slurm import expand_nodelist, requeue_target, slurm_port
 
-# Tried in this order; the first that recognises the process wins. torchrun before SLURM: torchrun
-# can run inside a SLURM job (one srun task per node, or the batch script), and then its variables
-# describe the workers while SLURM's describe the one task that started torchrun. Hand-set env://
-# variables before SLURM for the same reason (a script may start its ranks inside an allocation).
-# `single` last: it always answers.
-LAUNCHERS = (torchrun, env_vars, slurm, single)
+# Tried in this order; the first that recognises the process wins.
+# - Ray Train first: its workers carry torch's RANK and LOCAL_RANK as a torchrun worker does, and
+#   only Ray's own marks (RAY_RAYLET_PID, NODE_RANK, no TORCHELASTIC_RUN_ID) tell them apart.
+# - torchrun before everything else: it can run inside a SLURM job (one srun task per node, or the
+#   batch script) and inside an operator's pod, and then its variables describe the workers while
+#   the scheduler's or the operator's describe the one process that started torchrun.
+# - The operators (Trainer v2, Volcano, PyTorchJob) before the hand-set env:// variables: they set
+#   exactly those variables, but one process per pod, which the env:// reading would put on one node.
+#   Volcano before PyTorchJob: its pytorch plugin sets PyTorchJob's four variables in a pod too.
+# - Hand-set env:// variables before SLURM, for torchrun's reason (a script, or submitit, may start
+#   or describe its ranks inside an allocation).
+# - `single` last: it always answers.
+LAUNCHERS = (ray_train, torchrun, kubeflow_trainer, volcano, pytorchjob, env_vars, slurm, single)
 
-# The schedulers whose allocation may surround any launcher: each adds its facts (`around`).
-SCHEDULERS = (slurm,)
+# What may surround any launcher, each adding its facts (`around`): the SLURM allocation, the
+# Kubernetes operator that made the pod (the named operators before the plain pod, which names only
+# what none of them named), and the grace period the templates state.
+SCHEDULERS = (slurm, kubeflow_trainer, volcano, pytorchjob, pod, grace)
 
 TORCHRUN, ENV, SLURM, SINGLE = torchrun.NAME, env_vars.NAME, slurm.NAME, single.NAME
 _BY_NAME = {launcher.NAME: launcher for launcher in LAUNCHERS}

@@ -51,6 +51,20 @@ class DistEnv:
     rendezvous_by_launcher: bool = False
     # The command that puts this job back in its scheduler's queue (None: no scheduler requeues it).
     requeue_command: tuple[str, ...] | None = None
+    # ---- the engine around the launcher, set by the `around` steps (env/__init__.SCHEDULERS) ----
+    # A display name of the engine that created the pods or workers ("Kubeflow Trainer v2",
+    # "PyTorchJob", "Volcano", "Ray Train", "Kubernetes" for a pod no operator of ours names): the
+    # startup line says it. None outside any engine.
+    engine: str | None = None
+    # Seconds between the engine's SIGTERM and its SIGKILL (Kubernetes: terminationGracePeriodSeconds,
+    # passed by the templates in DDP_KIT_GRACE_PERIOD_S): a checkpoint must fit in it. None: not said.
+    grace_period_s: float | None = None
+    # The engine restarts failed or preempted workers itself (a Kubernetes operator's restart policy,
+    # Ray's FailureConfig): an exit 75 is mapped by its policy, not by a requeue command.
+    restarted_by_engine: bool = False
+    # One-line warnings detection found (e.g. a command typed into the shell of `srun --pty bash`),
+    # for the caller to print once, by rank 0.
+    notes: tuple[str, ...] = ()
 
     @property
     def launched(self) -> bool:
@@ -98,3 +112,28 @@ def check_place(env: DistEnv) -> None:
     if env.world_size > 1 and not env.master_addr:
         raise UserError(f"{env.launcher} gave world size {env.world_size} but no master address",
                         "set MASTER_ADDR to the first node's host name")
+
+
+def node_layout(environ: Mapping[str, str], rank: int, local_rank: int, world: int, node_hint: int | None = None,
+                local_world_hint: int | None = None) -> tuple[int, int, int]:
+    """(local_world_size, node_rank, num_nodes) of a worker whose launcher said its rank and local
+    rank, from LOCAL_WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE where set and derived where not.
+
+    torchrun sets them all; older launchers and hand-written ones leave some out. The hints are what
+    the scheduler around says (an srun task's node and its node's task count)."""
+    node = int_var(environ, "GROUP_RANK") if environ.get("GROUP_RANK") else node_hint
+    groups = int_var(environ, "GROUP_WORLD_SIZE") if environ.get("GROUP_WORLD_SIZE") else None
+    below = rank - local_rank  # the ranks of the nodes before this one, when every node has as many
+    if environ.get("LOCAL_WORLD_SIZE"):
+        local_world = int_var(environ, "LOCAL_WORLD_SIZE")
+    elif local_world_hint:
+        local_world = local_world_hint
+    elif groups and world % groups == 0:
+        local_world = world // groups
+    elif node and below > 0 and below % node == 0 and below // node > local_rank:
+        local_world = below // node
+    else:  # at least node + 1 nodes share the world (one node when nothing says more)
+        local_world = max(local_rank + 1, world // ((node or 0) + 1))
+    if node is None:
+        node = rank // max(1, local_world)
+    return local_world, node, groups or max(node + 1, -(-world // max(1, local_world)))

@@ -21,6 +21,14 @@ def detect(environ: Mapping[str, str]) -> DistEnv | None:
     allocated but no srun is refused: each task would train alone."""
     if "SLURM_JOB_ID" not in environ:
         return None
+    if _typed_into_pty_shell(environ):
+        # One process, typed at a prompt: it can train alone, and the step's other tasks will
+        # never join it. torchrun typed there is detected before SLURM and is unaffected.
+        return DistEnv(notes=(
+            f"started from the shell of an `srun --pty` step (SLURM job {environ['SLURM_JOB_ID']} "
+            f"'{environ.get('SLURM_JOB_NAME')}', {environ.get('SLURM_STEP_NUM_TASKS') or environ.get('SLURM_NTASKS', '?')} "
+            "tasks), not by srun: training as one process; for every task run `srun --overlap python ...` (or torchrun) "
+            "from this shell",))
     if not _in_step(environ):
         ntasks = environ.get("SLURM_NTASKS")
         if ntasks and ntasks.isdigit() and int(ntasks) > 1:
@@ -38,7 +46,7 @@ def detect(environ: Mapping[str, str]) -> DistEnv | None:
         rank=int_var(environ, "SLURM_PROCID"),
         local_rank=int_var(environ, "SLURM_LOCALID", 0),
         world_size=world,
-        local_world_size=_tasks_on_node(tasks_per_node, node_id) if tasks_per_node else world,
+        local_world_size=tasks_on_node(tasks_per_node, node_id) if tasks_per_node else world,
         node_rank=node_id,
         num_nodes=int_var(environ, "SLURM_STEP_NUM_NODES", int_var(environ, "SLURM_JOB_NUM_NODES", max(1, len(hosts)))),
         # A user-set MASTER_ADDR/PORT wins: clusters with a separate fabric name need it.
@@ -91,12 +99,24 @@ def slurm_port(job_id: str) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM host list such as `gpu[01-03,07],cpu5` into every host name, in order."""
+    """Expand a SLURM host list such as `gpu[01-03,07],cpu5` into every host name, in order; a list
+    that is not one (`n[1-,4]`, `n[3-1]`, `n[1-2`) is refused by name."""
+    if not re.fullmatch(_NODELIST, nodelist.strip()) or any(
+            int(lo) > int(hi) for lo, hi in re.findall(r"(\d+)-(\d+)", "".join(re.findall(r"\[[^\]]*\]", nodelist)))):
+        raise UserError(f"cannot parse the SLURM node list {nodelist!r}",
+                        "check SLURM_JOB_NODELIST / SLURM_STEP_NODELIST (expected e.g. gpu[01-04,07],cpu5)")
     hosts: list[str] = []
     for item in _split_top_level(nodelist.strip()):
         if item:
             hosts.extend(_expand_one(item))
     return hosts
+
+
+# A host list as SLURM writes it: names joined by commas, each of plain parts and bracketed
+# ranges (`01-03`) or numbers, no empty or open range, no bracket left open.
+_RANGES = r"\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\]"
+_NAME = rf"(?:[^\[\],\s]|{_RANGES})+"
+_NODELIST = rf"{_NAME}(?:,{_NAME})*"
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -129,7 +149,7 @@ def _expand_one(item: str) -> list[str]:
     return [head + name + rest for name in names for rest in _expand_one(tail)]
 
 
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     """Parse SLURM_TASKS_PER_NODE, e.g. `2(x3),1`, and return the count for node `node_id`."""
     counts: list[int] = []
     for part in tasks_per_node.split(","):
@@ -139,6 +159,25 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
                             "check the sbatch/srun task options")
         counts.extend([int(m.group(1))] * int(m.group(2) or 1))
     return counts[min(node_id, len(counts) - 1)]
+
+
+# The job names of a job whose first step is an interactive shell: `srun --pty bash` names its job
+# after the command; salloc names its own "interactive" (src/salloc/opt.c).
+_SHELLS = frozenset({"bash", "sh", "zsh", "fish", "ksh", "tcsh", "csh", "dash", "interactive"})
+
+
+def _typed_into_pty_shell(environ: Mapping[str, str]) -> bool:
+    """True for a command typed into the shell that `srun --pty bash` started in task 0.
+
+    A real step and that shell show the same task variables (rank 0 of the step's tasks), so three
+    marks together tell them apart: the step has a pseudo-terminal (srun --pty exports
+    SLURM_PTY_PORT), the job is named after a shell (or salloc's "interactive"), and it is the job's
+    first step, the one `srun --pty` itself made. `srun --overlap python ...` typed in that shell is a
+    later step (and its tasks inherit SLURM_PTY_PORT), so it stays a real step; so does `srun python`
+    in a batch script, which has no pseudo-terminal.
+    """
+    return (bool(environ.get("SLURM_PTY_PORT")) and environ.get("SLURM_JOB_NAME") in _SHELLS
+            and environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID")) == "0")
 
 
 def _in_step(environ: Mapping[str, str]) -> bool:

@@ -1,27 +1,33 @@
 """torchrun (torch.distributed.run, torchelastic): its agent starts the workers of a node and sets
-RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ... in each worker's environment."""
+RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ... and TORCHELASTIC_RUN_ID in each worker's environment.
+
+TORCHELASTIC_RUN_ID is the mark: every torchrun since torch 1.9 sets it (to "none" without
+--rdzv_id). The same torch variables without it come from another tool (submitit, Ray Train, an
+operator, a user's script), whose launcher met no peers before us: env_vars.py or an engine's file
+reads them.
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .base import DistEnv, int_var
+from .base import DistEnv, int_var, node_layout
 
 NAME = "torchrun"
 
 
 def detect(environ: Mapping[str, str]) -> DistEnv | None:
     """This worker's place, or None when torchrun did not start it."""
-    if "TORCHELASTIC_RUN_ID" not in environ and not ("RANK" in environ and "LOCAL_RANK" in environ):
+    if "TORCHELASTIC_RUN_ID" not in environ:
         return None
-    world = int_var(environ, "WORLD_SIZE")
-    local_world = int_var(environ, "LOCAL_WORLD_SIZE", 1)
+    rank, local_rank, world = int_var(environ, "RANK"), int_var(environ, "LOCAL_RANK"), int_var(environ, "WORLD_SIZE")
+    local_world, node, nodes = node_layout(environ, rank, local_rank, world)
     return DistEnv(
-        rank=int_var(environ, "RANK"),
-        local_rank=int_var(environ, "LOCAL_RANK"),
+        rank=rank,
+        local_rank=local_rank,
         world_size=world,
         local_world_size=local_world,
-        node_rank=int_var(environ, "GROUP_RANK", 0),
-        num_nodes=int_var(environ, "GROUP_WORLD_SIZE", max(1, world // max(1, local_world))),
+        node_rank=node,
+        num_nodes=nodes,
         master_addr=environ.get("MASTER_ADDR"),
         master_port=int_var(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else None,
         launcher=NAME,

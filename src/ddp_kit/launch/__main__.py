@@ -1,4 +1,4 @@
-"""python -m ddp_kit.launch slurm ..."""
+"""python -m ddp_kit.launch slurm|k8s ..."""
 from . import main
 
 main()

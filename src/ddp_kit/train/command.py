@@ -78,7 +78,11 @@ def cuda_notes(cfg: TrainConfig, run: Run, err: BaseException) -> list[str]:
 
 def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     job = build(cfg, run)
-    run.print(f"ddp_kit: {cfg.model} on {cfg.dataset}, {run.world_size} rank(s) ({run.ctx.backend}, {run.device}), "
+    env = run.ctx.env
+    engine = getattr(env, "engine", None)
+    launcher = f"{env.launcher} under {engine}" if engine else env.launcher
+    run.print(f"ddp_kit: {cfg.model} on {cfg.dataset}, {run.world_size} rank(s) ({run.ctx.backend}, {run.device}, "
+              f"{launcher}), "
               f"global batch {cfg.batch_size} = {run.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
               f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}")
     start = run.resume(optimizer=job.optimizer, scheduler=job.scheduler, scaler=job.scaler,

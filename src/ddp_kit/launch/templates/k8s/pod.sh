@@ -1,0 +1,23 @@
+# ddp_kit pod entrypoint: PID 1 of the training container (python -m ddp_kit.launch k8s embeds it).
+#   sh -c "<this script>" ddp_kit-pod PREEMPTED_EXIT COMMAND [ARGS...]
+# Runs COMMAND, forwards SIGTERM (eviction, preemption, kubectl delete) to it, and exits PREEMPTED_EXIT
+# when ddp_kit checkpointed and exited 75, so that the engine's restart policy can tell "restart me"
+# from a failure. Every other exit code passes through unchanged.
+preempted_exit=$1
+shift
+mark=${DDP_KIT_PREEMPT_MARK:-/tmp/ddp_kit.preempted}  # left by rank.sh when a rank under torchrun exits 75 (torchrun itself exits 1)
+rm -f "$mark"
+# A shell that is PID 1 ignores SIGTERM unless it traps it: the trap forwards it to the command.
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+"$@" &
+child=$!
+while :; do
+    wait "$child"
+    rc=$?
+    kill -0 "$child" 2>/dev/null || break  # wait also returns after the trap ran; the command still runs then
+done
+if [ "$rc" -eq 75 ] || [ -e "$mark" ]; then
+    echo "ddp_kit: pod: the ranks checkpointed and exited 75 (preempted); exiting $preempted_exit so that the engine restarts this pod" >&2
+    exit "$preempted_exit"
+fi
+exit "$rc"
