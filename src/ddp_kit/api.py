@@ -50,6 +50,7 @@ from .dist import DistContext, distributed
 from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .errors import UserError
+from .integrations.ray import reporter as ray_reporter
 from .parallel.fsdp import full_state_dict, is_sharded
 from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
 from .parallel.strategy import strategy as find_strategy
@@ -461,6 +462,9 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     boundary.config = config_as_json(config)
     boundary.cuda_notes = findings_for_error  # the doctor's findings beside a CUDA/NCCL error (explain_cuda_errors replaces them)
     box.append(boundary)
+    to_ray = ray_reporter()  # inside a Ray Train worker: every log record also goes to ray.train.report
+    if to_ray is not None:
+        boundary.on_log.append(to_ray)
     stack.callback(boundary.close)
     # init_process_group wrapped the hook it found, to prefix stderr lines with the rank; inside that
     # wrapper our line would be lost when we exit. So the first hook steps aside (it stays wrapped

@@ -72,7 +72,9 @@ class Watchdog:
         self.host = host or os.uname().nodename
         self._stop = threading.Event()
         self.aborting = threading.Event()  # set once a hang is declared: later errors are its echoes
-        self._main_thread = threading.main_thread().ident
+        # The training thread is the one that builds the watchdog (ddp_kit.init's caller): the main
+        # thread in a script, a worker thread under Ray Train, whose stack is the one a hang report needs.
+        self._main_thread = threading.get_ident()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-watchdog", daemon=True)
         self.store = store
 
