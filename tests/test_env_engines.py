@@ -238,3 +238,21 @@ def test_a_plain_pod_is_restarted_by_kubernetes_and_a_host_by_nobody():
     assert (env.engine, env.restarted_by_engine, env.requeue_command) == ("Kubernetes", True, None)
     host = detect({})
     assert (host.engine, host.restarted_by_engine, host.grace_period_s) == (None, False, None)
+
+
+def test_ray_train_names_the_device_it_assigned_and_choose_device_takes_it(monkeypatch):
+    """Ray shares a node's workers' GPUs with each of them and says which one a worker holds in
+    ACCELERATE_TORCH_DEVICE (ray/train/torch/config.py): that GPU, not cuda:<local rank>. The GPU
+    itself cannot exist here: torch.cuda's answers are patched (a test of the choice only)."""
+    import torch
+
+    from ddp_kit.dist import choose_device
+
+    env = detect({"RAY_RAYLET_PID": "7", "NODE_RANK": "0", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                  "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                  "ACCELERATE_TORCH_DEVICE": "cuda:3"})
+    assert env.device_hint == "cuda:3"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert choose_device(env) == torch.device("cuda", 3)
+    assert choose_device(env, "cpu") == torch.device("cpu")

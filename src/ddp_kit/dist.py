@@ -91,6 +91,10 @@ def choose_device(env: DistEnv, device: str = "auto", bound: bool = False) -> to
     (torch.cuda.set_device, as Ray Train does): that GPU is kept."""
     if device == "cpu":
         return torch.device("cpu")
+    hint = env.device_hint or ""
+    if device in ("auto", "cuda") and hint.startswith("cuda:") and hint[5:].isdigit() and torch.cuda.is_available():
+        if int(hint[5:]) < torch.cuda.device_count():  # the engine's own assignment (env.device_hint)
+            return torch.device(hint)
     if bound and device in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     if device.startswith("cuda:") and device[5:].isdigit():

@@ -51,6 +51,10 @@ class DistEnv:
     rendezvous_by_launcher: bool = False
     # The command that puts this job back in its scheduler's queue (None: no scheduler requeues it).
     requeue_command: tuple[str, ...] | None = None
+    # The device the engine assigned this process ("cuda:2"), when it says so (Ray Train's
+    # ACCELERATE_TORCH_DEVICE): with GPUs shared among a node's workers, local rank i need not hold
+    # the i-th visible GPU. None: the local rank decides.
+    device_hint: str | None = None
     # ---- the engine around the launcher, set by the `around` steps (env/__init__.SCHEDULERS) ----
     # A display name of the engine that created the pods or workers ("Kubeflow Trainer v2",
     # "PyTorchJob", "Volcano", "Ray Train", "Kubernetes" for a pod no operator of ours names): the

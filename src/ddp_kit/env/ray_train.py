@@ -49,5 +49,6 @@ def detect(environ: Mapping[str, str]) -> DistEnv | None:
         scheduler_binds_gpus=True,
         rendezvous_by_launcher=True,  # Ray's workers met at MASTER_ADDR:MASTER_PORT before our code runs
         restarted_by_engine=True,
+        device_hint=environ.get("ACCELERATE_TORCH_DEVICE") or None,  # set with the ranks (config.py)
     )
 
