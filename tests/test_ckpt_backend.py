@@ -25,26 +25,36 @@ def test_layout_step_names_round_trip():
     assert layout.dcp_file(".metadata") == "dcp/.metadata"
 
 
-def test_open_backend_takes_a_path_or_a_file_url(tmp_path):
+def test_open_backend_takes_a_plain_path_as_a_folder_and_a_file_url_as_a_store(tmp_path):
     from ddp_kit.checkpoint import BACKENDS, CheckpointBackend, Checkpointer, open_backend
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
 
-    assert "file" in BACKENDS
-    for location in (tmp_path, str(tmp_path), f"file://{tmp_path}", f"FILE://localhost{tmp_path}"):
+    assert {"", "file", "s3", "gs", "az", "memory"} <= set(BACKENDS)
+    for location in (tmp_path, str(tmp_path)):
         ck = open_backend(location, _alone(), keep_last=2)
-        assert isinstance(ck, Checkpointer) and isinstance(ck, CheckpointBackend)
+        assert type(ck) is Checkpointer and isinstance(ck, CheckpointBackend)
         assert ck.root == tmp_path and ck.keep_last == 2
+    # file:// takes the object store's code path (no rename), so that it is testable without a server
+    for location in (f"file://{tmp_path}/ck", f"FILE://localhost{tmp_path}/ck/"):
+        ck = open_backend(location, _alone(), keep_last=2, upload_timeout_s=60)
+        assert isinstance(ck, ObjectStoreCheckpointer) and isinstance(ck, CheckpointBackend)
+        assert ck.store.root == f"{tmp_path}/ck" and ck.keep_last == 2 and ck.upload_timeout_s == 60
+        assert ck.find("auto", warn=print) is None  # the first collective call probes the store
+        ck.close()
+    assert not list((tmp_path / "ck").iterdir())  # the startup probe is deleted again
 
 
 @pytest.mark.parametrize("location,said", [
-    ("s3://bucket/run", "unknown checkpoint location scheme 's3' in 's3://bucket/run'"),
+    ("ftpx://bucket/run", "unknown checkpoint location scheme 'ftpx' in 'ftpx://bucket/run'"),
     ("file://elsewhere/run", "names the host 'elsewhere'"),
+    ("s3:///run", "names no bucket"),
 ])
 def test_open_backend_refuses_what_it_cannot_store_to_in_one_line(location, said):
     from ddp_kit.checkpoint import open_backend
     from ddp_kit.errors import UserError
 
-    with pytest.raises(UserError) as err:
-        open_backend(location, _alone())
+    with pytest.raises(UserError) as err:  # at open, or (a store) at the first collective call, before step 1
+        open_backend(location, _alone()).find("auto", warn=print)
     line = err.value.line()
     assert said in line and "(hint: " in line and "\n" not in line
 

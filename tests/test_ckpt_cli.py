@@ -135,3 +135,18 @@ def test_run_dir_missing(tmp_path, cmd):
     extra = ["--out", tmp_path / "w.pt"] if cmd == "export" else []
     line = one_line_error(ckpt(cmd, missing, *extra), str(missing), "does not exist")
     assert "no checkpoints" not in line and "no valid checkpoint" not in line
+
+
+def test_list_and_export_a_ckpt_dir_url(tmp_path):
+    """A run whose checkpoints went to a URL (file://: the object store code path) is listed and
+    exported from the URL, with no process group."""
+    url = f"file://{tmp_path}/ck"
+    ok(run_cmd([sys.executable, "-m", "ddp_kit.train", "--epochs", "1", "--max_steps", "6", "--ckpt_every", "3",
+                "--progress", "false", "--run_dir", str(tmp_path / "run"), "--ckpt_dir", url]))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    rows = ok(ckpt("list", url)).stdout.splitlines()
+    assert rows[1].split()[:2] == ["6", "valid"] and rows[1].endswith(f"{url}/step_6 (latest)") and rows[2].split()[0] == "3"
+    res = ok(ckpt("export", url, "--out", tmp_path / "model.pt", "--step", "latest"))
+    assert f"from {url}/step_6 to" in res.stdout
+    assert same_tensors(tmp_path / "model.pt", tmp_path / "ck" / "step_6" / "model.pt")  # the object as uploaded
+    one_line_error(ckpt("list", "gs://bucket/run"), "needs gcsfs", "pip install gcsfs")

@@ -1,5 +1,6 @@
 """The checkpoint backend seam: what the step boundary asks of a run's checkpoint storage, and the
-registry that picks an implementation by the location's URL scheme (a plain path is "file").
+registry that picks an implementation by the location's URL scheme (a plain path: "", the folder
+backend; a URL, file:// included: the object store backend, through fsspec).
 
 Adding a backend is one new module with a factory `open_<x>(ctx, location, **options)` and one line
 in BACKENDS. The registry names the factory by its import path rather than importing it, so that a
@@ -19,6 +20,8 @@ What every backend must guarantee (the readers rely on nothing else):
 - **No training collectives.** Ranks report their files to rank 0 through the rendezvous store, so
   an asynchronous save never issues a collective that could interleave with the training loop's.
   `save`, `find` and `load_sharded` are called by every rank at the same point.
+- **Opening is local.** A factory does no collective: one rank may open a backend alone (to read
+  `latest`). Checks that need every rank (an object store's probe) run at the first `find` or `save`.
 - **Nothing committed is lost by accident.** `prune` never removes the newest committed step and
   removes only leftovers and steps beyond `keep_last`; `archive` moves steps aside, never deletes.
 """
@@ -36,8 +39,8 @@ from ..errors import UserError
 
 @dataclass(frozen=True)
 class Found:
-    """A committed step chosen for resume: where it lives and its step number."""
-    path: Path
+    """A committed step chosen for resume: where it lives (a folder, or on a store its URL) and its step number."""
+    path: Path | str
     step: int
 
 
@@ -94,26 +97,29 @@ class CheckpointBackend(Protocol):
 
 
 # scheme -> "module:factory"; factory(ctx, location: str, **options) -> CheckpointBackend
+_STORE = "ddp_kit.checkpoint.object_store:open_object_store"
 BACKENDS: dict[str, str] = {
-    "file": "ddp_kit.checkpoint.checkpointer:open_folder",
+    "": "ddp_kit.checkpoint.checkpointer:open_folder",  # a plain path: a folder every rank mounts
+    # file:// takes the object store's code path on a local (or mounted) folder: no rename, no fsync
+    **dict.fromkeys(("file", "s3", "gs", "gcs", "az", "abfs", "abfss", "memory"), _STORE),
 }
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def scheme_of(location: str | Path) -> str:
-    """The URL scheme of a checkpoint location, lower-cased; "file" for a plain path."""
+    """The URL scheme of a checkpoint location, lower-cased; "" for a plain path."""
     found = None if isinstance(location, Path) else _SCHEME.match(str(location))
-    return found.group(1).lower() if found else "file"
+    return found.group(1).lower() if found else ""
 
 
 def open_backend(location: str | Path, ctx: Any, **options: Any) -> CheckpointBackend:
     """The backend for `location` (a folder path or a URL), built with `options` (keep_last, async_save,
-    timeout_s, write_delay_s). An unknown scheme is refused in one line."""
+    timeout_s, write_delay_s, upload_timeout_s). An unknown scheme is refused in one line."""
     scheme = scheme_of(location)
     if scheme not in BACKENDS:
         raise UserError(f"unknown checkpoint location scheme {scheme!r} in {str(location)!r}: this ddp_kit "
-                        f"stores checkpoints in {', '.join(f'{s}://' for s in sorted(BACKENDS))} locations",
-                        "pass a folder path (or file:///absolute/path) as run_dir")
+                        f"stores checkpoints in folders and in {', '.join(f'{s}://' for s in sorted(BACKENDS) if s)} "
+                        f"locations", "pass a folder path or one of those URLs as ckpt_dir")
     module, factory = BACKENDS[scheme].split(":")
     return getattr(importlib.import_module(module), factory)(ctx, str(location), **options)

@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import torch
 
@@ -49,14 +48,9 @@ __all__ = ["Checkpointer", "Found", "open_folder", "rng_state", "set_rng_state",
            "reusable_stager", "_stager_reuses"]
 
 
-def open_folder(ctx: DistContext, location: str, **options: Any) -> Checkpointer:
-    """The BACKENDS factory for "file": a folder path, or a file:// URL naming one on this machine."""
-    if location.lower().startswith("file://"):
-        url = urlsplit(location)
-        if url.netloc not in ("", "localhost"):
-            raise UserError(f"checkpoint location {location!r} names the host {url.netloc!r}; file:// URLs name "
-                            f"a folder on this machine", "write file:///absolute/path (three slashes), or a plain path")
-        location = unquote(url.path)
+def open_folder(ctx: DistContext, location: str, upload_timeout_s: float | None = None, **options: Any) -> Checkpointer:
+    """The BACKENDS factory for a plain folder path (a file:// URL goes through the object store
+    backend instead). `upload_timeout_s` is an object store's: a folder commits without uploads."""
     return Checkpointer(ctx, location, **options)
 
 
@@ -80,6 +74,13 @@ class Checkpointer:
         self._hosts: dict[str, HostBuffer | None] = {}  # per file kind: the flat page-locked buffer
         self._group: Any = None  # DCP's own gloo group: an async save's collectives never meet training's
         self._stager: Any = None  # DCP's stager kept across async saves (False: this torch has none that reuses)
+        self._commit_at: dict[int, float] = {}  # a backend that commits before _finish returns says when
+
+    # Where a save is staged and how it is committed are hooks (_stage_path, _open_tmp, _finish):
+    # object_store.py stages on a node-local disk and uploads. With `ships_in_background` even a
+    # synchronous save returns once its files are staged, and the rest runs in the writer thread.
+    ships_in_background = False
+    private_staging = False  # whether each rank stages into a folder of its own (not shared with rank 0)
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -116,7 +117,13 @@ class Checkpointer:
         else:
             if self.ctx.device.type == "cuda":  # plain CPU tensors on disk: loadable with no GPU
                 shared, per_rank = (to_host(shared) if self.ctx.is_main else {}), to_host(per_rank)
-            self._commit(step, shared, per_rank, meta, sharded)
+            if self.ships_in_background:  # the loop waits for the local files only
+                staged = self._stage(step, shared, per_rank, meta, sharded)
+                self._thread = threading.Thread(target=self._run_async, args=(step, {}, {}, meta, None, staged),
+                                                name=f"ddp_kit-ckpt-{step}", daemon=False)
+                self._thread.start()
+            else:
+                self._commit(step, shared, per_rank, meta, sharded)
         self.blocking_s[step] = time.monotonic() - started
 
     def take_timings(self) -> list[dict[str, float]]:
@@ -143,9 +150,13 @@ class Checkpointer:
             self._stager = reusable_stager(self.ctx.device) or False
         return dcp_files.write(tmp, sharded, group, now=False, stager=self._stager)
 
+    def _stage_path(self, step: int) -> Path:
+        """The folder step `step` is written into before its commit."""
+        return self.root / layout.tmp_name(step)
+
     def _open_tmp(self, step: int) -> Path:
         """Rank 0 makes an empty .tmp_step_<N>/ (a killed save's leftovers go); the others wait for it."""
-        tmp = self.root / layout.tmp_name(step)
+        tmp = self._stage_path(step)
         key = f"ddp_kit/ckpt/{layout.step_name(step)}/ready"
         if self.ctx.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -187,39 +198,53 @@ class Checkpointer:
                 self._stager.close()
             self._stager = None
 
-    def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any = None) -> None:
+    def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any = None,
+                staged: tuple[Path, dict] | None = None) -> None:
+        """Write (unless `staged` already: the staging folder and this rank's files) and commit step `step`."""
         try:
-            self._commit_files(step, shared, per_rank, meta, shards)
-            started = self._started.pop(step, None)
-            if started is not None:  # list.append is atomic: the async writer thread may be the one here
-                self.committed.append((step, time.monotonic() - started))
+            stage, files = staged if staged is not None else self._stage(step, shared, per_rank, meta, shards)
+            committed = self._finish(step, stage, files)
         except (OSError, RuntimeError) as exc:
             if not disk_full(exc):
                 raise
-            # Nothing half-written stays behind; the committed checkpoints are untouched.
-            tmp = self.root / layout.tmp_name(step)
-            if self.ctx.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                (tmp / layout.rank_file(self.ctx.rank)).unlink(missing_ok=True)
-            need = _nbytes(shared) + _nbytes(per_rank)
-            free = shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
-            # The run stops: a run that cannot checkpoint cannot survive a preemption or a crash, and
-            # hours of training with no restart point is the worse surprise. The rerun resumes.
-            raise UserError(f"disk full while writing checkpoint {layout.step_name(step)} to {str(self.root)!r}: it "
-                            f"needs about {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; last checkpoint: "
-                            f"{self.latest_name()}",
-                            "free space on that disk, or lower keep_last; then rerun the same command to resume",
-                            local=True) from None
+            self._refuse_disk_full(step, shared, per_rank)
+        started = self._started.pop(step, None)
+        if started is not None and committed is not False:  # list.append is atomic: the writer thread may be here
+            self.committed.append((step, self._commit_at.pop(step, time.monotonic()) - started))
 
-    def _commit_files(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> None:
-        """`shards`: None, the sharded state dicts to write now, or an async save's Future (DCP writing)."""
+    def _stage(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> tuple[Path, dict]:
+        try:
+            return self._write_local(step, shared, per_rank, meta, shards)
+        except (OSError, RuntimeError) as exc:
+            if not disk_full(exc):
+                raise
+            self._refuse_disk_full(step, shared, per_rank)
+
+    def _refuse_disk_full(self, step: int, shared: dict, per_rank: dict) -> None:
+        # Nothing half-written stays behind; the committed checkpoints are untouched.
+        tmp = self._stage_path(step)
+        if self.ctx.is_main or self.private_staging:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            (tmp / layout.rank_file(self.ctx.rank)).unlink(missing_ok=True)
+        need = _nbytes(shared) + _nbytes(per_rank)
+        disk = next(p for p in (tmp, *tmp.parents) if p.exists())
+        free = shutil.disk_usage(disk).free
+        where = f"{self.location} (staged in {str(tmp.parent)!r})" if self.private_staging else str(self.root)
+        # The run stops: a run that cannot checkpoint cannot survive a preemption or a crash, and
+        # hours of training with no restart point is the worse surprise. The rerun resumes.
+        raise UserError(f"disk full while writing checkpoint {layout.step_name(step)} to {where!r}: it "
+                        f"needs about {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; last checkpoint: "
+                        f"{self.latest_name()}",
+                        "free space on that disk, or lower keep_last; then rerun the same command to resume",
+                        local=True) from None
+
+    def _write_local(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> tuple[Path, dict]:
+        """Write this rank's files of step `step` into its staging folder; returns it and {file: size, sha256}.
+        `shards`: None, the sharded state dicts to write now, or an async save's Future (DCP writing)."""
         rank, world = self.ctx.rank, self.ctx.world_size
-        name = layout.step_name(step)
-        store = self.ctx.store
-        key = f"ddp_kit/ckpt/{name}"
         pending = hasattr(shards, "result")
-        tmp = self.root / layout.tmp_name(step) if pending else self._open_tmp(step)
+        tmp = self._stage_path(step) if pending else self._open_tmp(step)
         files: dict[str, Any] = {}
         if shards is not None:
             metadata = shards.result() if pending else self._write_sharded(tmp, shards, now=True)
@@ -238,20 +263,44 @@ class Checkpointer:
                     files[layout.MODEL] = model_f.result()
                 files[layout.TRAIN_STATE] = state_f.result()
             files[layout.META] = write_durable(tmp / layout.META, {**meta, "step": step, "world_size": world})
+        return tmp, files
+
+    def _gather(self, step: int, files: dict) -> dict:
+        """Every rank posts `files` through the rendezvous store; rank 0 returns everyone's, merged
+        (the others their own)."""
+        store, world = self.ctx.store, self.ctx.world_size
+        key = f"ddp_kit/ckpt/{layout.step_name(step)}"
         if store and world > 1:
-            store.set(f"{key}/files/{rank}", json.dumps(files))
+            store.set(f"{key}/files/{self.ctx.rank}", json.dumps(files))
         if self.ctx.is_main and store and world > 1:
             # Two round trips whatever the world size: the store answers once every rank has posted.
             keys = [f"{key}/files/{r}" for r in range(1, world)]
-            store.wait(keys, _td(self.timeout_s))
+            store.wait(keys, _td(self._gather_timeout_s()))
+            files = dict(files)
             for posted in store.multi_get(keys):
                 files.update(json.loads(posted))
+        return files
+
+    def _gather_timeout_s(self) -> float:
+        return self.timeout_s
+
+    def _manifest(self, step: int, files: dict) -> dict:
+        """The manifest of step `step` from every rank's `files` (rank 0)."""
+        expected = files.pop(dcp_files.EXPECTED, [])
+        lost = [f for f in expected if f not in files]
+        if lost:  # a shard DCP wrote that no rank hashed: never commit a checkpoint resume could not read
+            raise RuntimeError(f"checkpoint {layout.step_name(step)}: DCP wrote {lost[:3]} but no rank reported it")
+        return {"step": step, "world_size": self.ctx.world_size, "files": files}
+
+    def _finish(self, step: int, tmp: Path, files: dict) -> bool | None:
+        """Commit the staged step: rank 0 writes the manifest, renames the folder into place and points
+        `latest`; the others wait for it. (A backend whose commit can fail without an error returns False.)"""
+        name = layout.step_name(step)
+        store = self.ctx.store
+        key = f"ddp_kit/ckpt/{name}"
+        files = self._gather(step, files)
         if self.ctx.is_main:
-            expected = files.pop(dcp_files.EXPECTED, [])
-            lost = [f for f in expected if f not in files]
-            if lost:  # a shard DCP wrote that no rank hashed: never commit a checkpoint resume could not read
-                raise RuntimeError(f"checkpoint {name}: DCP wrote {lost[:3]} but no rank reported it")
-            write_durable(tmp / layout.MANIFEST, {"step": step, "world_size": world, "files": files})
+            write_durable(tmp / layout.MANIFEST, self._manifest(step, files))
             if dcp_files.present(tmp):
                 fsync_dir(tmp / layout.DCP)
             fsync_dir(tmp)
@@ -275,6 +324,7 @@ class Checkpointer:
             # under the hang and collective timeouts: a long model.pt write is not a hang, and no rank
             # leaves (exit, requeue) before the checkpoint it belongs to is committed.
             store.wait([f"{key}/committed"], _td(self.timeout_s))
+        return None
 
     def prune(self, newest: int) -> None:
         """Drop all but the newest `keep_last` (the one just committed is always kept). Old folders are

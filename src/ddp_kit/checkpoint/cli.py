@@ -1,13 +1,18 @@
 """`python -m ddp_kit.checkpoint`: list a run's checkpoints with their validity; export model weights.
 
-    python -m ddp_kit.checkpoint list RUN_DIR
-    python -m ddp_kit.checkpoint export RUN_DIR --out model.pt [--step N|latest] [--name model]
+    python -m ddp_kit.checkpoint list RUN_DIR|URL
+    python -m ddp_kit.checkpoint export RUN_DIR|URL --out model.pt [--step N|latest] [--name model]
+
+A URL is a run's ckpt_dir on an object store (s3://bucket/prefix, gs://, az://, file:///path), read
+through the same code as the run (store.py), with no process group. On a store `list` checks each
+step's manifest and object sizes; `export` downloads the step and verifies every checksum first.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..errors import EXIT_USER_ERROR, UserError
@@ -79,8 +84,39 @@ def _latest(root: Path) -> Path:
     return root / name
 
 
+def _store(url: str):
+    from .store_fs import open_store
+
+    return open_store(url)
+
+
+def _store_error(url: str, exc: Exception) -> UserError:
+    from .store_fs import refusal
+
+    return refusal(url, exc, "read")
+
+
+def _list_store(url: str) -> None:
+    from . import store
+
+    where = _store(url)
+    try:
+        rows, latest = store.list_checkpoints(where), store.read_latest(where)
+    except Exception as exc:
+        raise _store_error(url, exc) from None
+    if not rows:
+        raise UserError(f"no checkpoints under {where.url!r}", "pass the ckpt_dir of a run that saved some")
+    print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  url")
+    for step, at, reason, size, world in rows:
+        mark = " (latest)" if step == latest else ""
+        print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world if reason is None else '?':>5}  "
+              f"{size:>10}  {at}{mark}" + (f"  -- {reason}" if reason else ""))
+
+
 def list_(run_dir: str) -> None:
-    """Print every checkpoint of RUN_DIR, newest first, with its validity."""
+    """Print every checkpoint of RUN_DIR (or a ckpt_dir URL), newest first, with its validity."""
+    if "://" in str(run_dir):
+        return _list_store(str(run_dir))
     root = _root(run_dir)
     rows = list_checkpoints(root)
     if not rows:
@@ -98,11 +134,15 @@ def list_(run_dir: str) -> None:
 def export(run_dir: str, out: str, step: int | str | None = None, name: str = "model") -> None:
     """Write the model weights of checkpoint STEP (default: newest valid; latest: the one `latest`
     names) as a plain state_dict file. A sharded (strategy fsdp) checkpoint is assembled in this
-    process; `name` picks another registered model of it (e.g. model_1)."""
+    process; `name` picks another registered model of it (e.g. model_1). RUN_DIR may be a ckpt_dir URL."""
+    if "://" in str(run_dir):
+        dest, step = _out_path(out), _step(step)
+        with tempfile.TemporaryDirectory(prefix="ddp_kit-export-") as cache:
+            path = _fetch_from_store(str(run_dir), step, Path(cache))
+            return _write_export(path, dest, str(name), f"{str(run_dir).rstrip('/')}/{path.name}")
     root = _run_dir(run_dir)
     dest = _out_path(out)
     step = _step(step)
-    import torch
 
     if (root / layout.MANIFEST).exists() or (root / layout.MODEL).exists():  # RUN_DIR is a step folder
         path = root
@@ -124,7 +164,49 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     reason = validate(path)
     if reason:
         raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
-    state = _read_object(path, str(name))
+    _write_export(path, dest, str(name))
+
+
+def _fetch_from_store(url: str, step: int | str | None, cache: Path) -> Path:
+    """The step of a store to export, downloaded into `cache` and verified: the newest valid one (the
+    damaged ones above it said, as for a folder), the one `latest` names, or step `step`."""
+    from . import store
+
+    where = _store(url)
+    hint = f"see `python -m ddp_kit.checkpoint list {where.url}`"
+    try:
+        objects = store.listing(where)
+        if step == "latest":
+            latest = store.read_latest(where)
+            if latest is None:
+                raise UserError(f"--step latest: there is no 'latest' object under {where.url!r}", f"pass a step number; {hint}")
+            candidates = [latest]
+        else:
+            candidates = sorted((s for s in store.by_step(objects) if step is None or s == step), reverse=True)
+        skipped = []
+        for s in candidates:
+            name = layout.step_name(s)
+            reason = store.validate(where, s, objects, cache / name)
+            if reason is None:
+                for what, why in skipped:
+                    print(f"ddp_kit: warning: checkpoint {what} is not usable ({why}); exporting {name} instead",
+                          file=sys.stderr, flush=True)
+                return cache / name
+            skipped.append((name, reason))
+    except UserError:
+        raise
+    except Exception as exc:
+        raise _store_error(url, exc) from None
+    why = f" ({skipped[0][0]}: {skipped[0][1]})" if skipped else ""
+    which = "" if step is None else f" at step {step}"
+    raise UserError(f"no valid checkpoint{which} under {where.url!r}{why}", hint)
+
+
+def _write_export(path: Path, dest: Path, name: str, shown: str | None = None) -> None:
+    """Write object `name` of the checkpoint in `path` to `dest` (`shown`: what the message calls the step)."""
+    import torch
+
+    state = _read_object(path, name)
     # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
     # where an inference job would pick it up.
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
@@ -140,7 +222,7 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
         raise UserError(f"cannot write --out {str(dest)!r} ({exc.strerror or exc})",
                         "pass --out in a folder you can write to, on a disk with free space") from None
     tensors = sum(1 for v in state.values() if hasattr(v, "shape"))
-    print(f"exported {len(state)} entries ({tensors} tensors) of {name!r} from {path} to {dest}")
+    print(f"exported {len(state)} entries ({tensors} tensors) of {name!r} from {shown or path} to {dest}")
 
 
 def _read_object(path: Path, name: str) -> dict:

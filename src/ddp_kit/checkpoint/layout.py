@@ -14,6 +14,12 @@
     <root>/.trash_step_<N>/      a step being deleted (pruned or replaced)
     <archive>/<YYYYmmddTHHMMSS>/ the steps of an abandoned run, moved aside whole
 
+On an object store (object_store.py) the same names are key prefixes under the URL, with no
+.tmp_/.trash_ names (nothing is renamed): a step's objects without its manifest are a killed or
+failed save's, removed by the next prune; and two more:
+    <url>/archive/<time>/step_<N>/  ARCHIVE: an abandoned run's steps, copied there and deleted
+    <url>/.probe.<token>         PROBE_PREFIX: written at startup by rank 0, read by every rank, deleted
+
 Every module that reads or writes these (the backends, the CLI, safe loading) spells them through
 this one. The names on disk never change: checkpoints written by any earlier ddp_kit still load.
 A backend without folders (an object store) uses the same names as key prefixes.
@@ -35,6 +41,8 @@ TMP_PREFIX = ".tmp_"
 TRASH_PREFIX = ".trash_"
 TORCH_FILES = "*.pt"  # every file of a step folder that torch.load reads (safe_load checks each)
 ARCHIVE_STAMP = "%Y%m%dT%H%M%S"
+ARCHIVE = "archive"  # an object store's archive prefix, under its URL
+PROBE_PREFIX = ".probe."
 
 
 def step_name(step: int) -> str:
@@ -50,6 +58,12 @@ def step_of(name: str) -> int | None:
 
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
+
+
+def rank_of(name: str) -> int | None:
+    """The rank whose own file `name` is (rank<R>.pt -> R); None for any other name."""
+    digits = name[4:-3] if name.startswith("rank") and name.endswith(".pt") else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 def tmp_name(step: int) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint.backend import CheckpointBackend, Found, open_backend
-from ..checkpoint.layout import step_name
+from ..checkpoint.layout import ARCHIVE, step_name
 from ..dist import DistContext
 from .outputs import RunWriter
 from .policy import Policy
@@ -16,12 +16,26 @@ from .run_dir import RunDir
 
 
 def open_checkpointer(ctx: DistContext, rd: RunDir, policy: Policy) -> CheckpointBackend:
-    return open_backend(rd.checkpoints, ctx, keep_last=policy.keep_last, async_save=policy.async_ckpt,
-                        timeout_s=ctx.timeout_s, write_delay_s=policy.ckpt_write_delay_s)
+    """The backend at policy.ckpt_dir (a folder or a URL), else at run_dir/checkpoints."""
+    location = policy.ckpt_dir if policy.ckpt_dir is not None else rd.checkpoints
+    return open_backend(location, ctx, keep_last=policy.keep_last, async_save=policy.async_ckpt,
+                        timeout_s=ctx.timeout_s, write_delay_s=policy.ckpt_write_delay_s,
+                        upload_timeout_s=policy.ckpt_upload_timeout_s)
+
+
+def archive_folder(ckpt: CheckpointBackend, rd: RunDir) -> str | Path:
+    """Where abandoned steps go: run_dir/archive for run_dir/checkpoints, else beside the steps on
+    their own storage (a store's <url>/archive, a ckpt_dir folder's archive/): moving stays a rename
+    on one file system, or a copy within one store."""
+    on_store = getattr(ckpt, "archive_location", None)  # only object_store's backend has one
+    if on_store is not None:
+        return on_store()
+    root = Path(ckpt.location)
+    return rd.archive if root == rd.checkpoints else root / ARCHIVE
 
 
 def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fresh_start: bool,
-                    resumed_from: int | None, resumed_path: Path | None, say: Callable[[str], None]) -> None:
+                    resumed_from: int | None, resumed_path: Path | str | None, say: Callable[[str], None]) -> None:
     """One lineage per run folder: a fresh start (resume='never') or a resume from an older
     checkpoint moves what it abandons (higher steps, their metrics) to run_dir/archive/<time>/.
     Rank 0 only."""
@@ -31,8 +45,9 @@ def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fres
         return
     ours = resumed_path is not None and ckpt.owns(Found(resumed_path, resumed_from))
     # A checkpoint from another folder starts a new lineage here: whatever this folder held is abandoned.
-    moved = ckpt.archive(resumed_from if ours else None, rd.archive)
+    into = archive_folder(ckpt, rd)
+    moved = ckpt.archive(resumed_from if ours else None, into)
     writer.supersede(resumed_from if ours else None, rd.archive)
     if moved:
         say(f"ddp_kit: moved checkpoint(s) {', '.join(step_name(s) for s in moved)} of an abandoned run "
-            f"to {rd.archive}/")
+            f"to {into}/")

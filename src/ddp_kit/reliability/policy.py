@@ -3,17 +3,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checkpoint.backend import scheme_of
+from ..errors import UserError
+
 
 @dataclass(frozen=True)
 class Policy:
     """What the step boundary does, and how often. Every field is a keyword of `ddp_kit.init()`."""
 
     run_dir: str | None = None  # checkpoints, metrics.jsonl, hang reports; None: no checkpoints
+    # where checkpoints go instead of run_dir/checkpoints: a folder every rank mounts, or a URL
+    # (s3://bucket/prefix, gs://, az://, file:///path); run_dir then stays local to each node
+    ckpt_dir: str | None = None
     resume: str = "auto"  # auto: the newest valid checkpoint in run_dir; never; or a step_<N> folder
     ckpt_every: int = 0  # optimizer steps between checkpoints (0: by time only)
     ckpt_every_s: float = 1800.0  # seconds between checkpoints (0: by steps only); checked every preempt_check_every
     keep_last: int = 3  # checkpoints kept (0: all)
     async_ckpt: bool = False  # write checkpoints in a background thread
+    ckpt_upload_timeout_s: float = 1800.0  # ckpt_dir a URL: stop when no checkpoint has committed for this long (0: never)
+    max_failed_attempts: int = 3  # under a restarter: this many failed attempts in a row without a new checkpoint stop the run (0: no limit)
     hang_timeout_s: float = 180.0  # no progress on a rank for this long: report the lagging rank, exit 3 (0: off)
     peer_timeout_s: float = 30.0  # a rank's heartbeat silent this long: it is named as gone, every rank exits (0: off)
     collective_timeout_s: float = 300.0  # every collective's timeout after step 1
@@ -25,3 +33,15 @@ class Policy:
     rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
     straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
     ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down
+
+    def __post_init__(self) -> None:
+        if self.run_dir is not None and scheme_of(str(self.run_dir)):
+            raise UserError(f"run_dir {str(self.run_dir)!r} is a URL; run_dir is a local folder (metrics.jsonl, "
+                            f"summary.json, hang reports), and checkpoints go to a URL through ckpt_dir",
+                            f"pass ckpt_dir={str(self.run_dir)!r} (--ckpt_dir) and a local folder as run_dir")
+        if self.ckpt_dir is not None:
+            object.__setattr__(self, "ckpt_dir", str(self.ckpt_dir))  # a Path is welcome too
+            if self.run_dir is None:
+                raise UserError(f"ckpt_dir {self.ckpt_dir!r} was given without a run_dir",
+                                'pass a local run_dir too (metrics.jsonl, summary.json): ddp_kit.init(run_dir="runs/my_run", '
+                                'ckpt_dir=...)')

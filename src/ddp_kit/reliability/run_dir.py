@@ -1,7 +1,8 @@
 """The run folder: its layout, and the checks that make it safe to use before any work starts.
 
     run_dir/config.yaml, metrics.jsonl, summary.json   rank 0
-    run_dir/checkpoints/                              the "file" checkpoint backend (names: checkpoint/layout.py)
+    run_dir/checkpoints/                              the folder checkpoint backend (names: checkpoint/layout.py),
+                                                      unless ckpt_dir puts checkpoints elsewhere (a URL)
     run_dir/hang/                                     stacks and traces of a hang or crash
     run_dir/archive/<time>/                           what a fresh start (`--resume never`) moved aside
     run_dir/.lock                                     held (flock) by rank 0 of the job using the folder
@@ -13,7 +14,8 @@
   job id into the file so that a second job is refused with a line naming it. The same job (a
   SLURM requeue, a torchrun restart: same job id) waits a little for its old self to let go.
 - Shared: every rank must see the same folder (checkpoints are written by every rank and
-  committed by rank 0). Rank 0 writes a random token; every rank reads it back.
+  committed by rank 0). Rank 0 writes a random token; every rank reads it back. With ckpt_dir set,
+  that folder is ckpt_dir (a URL: the store's own probe checks it), and run_dir may be each node's own.
 """
 from __future__ import annotations
 
@@ -36,10 +38,16 @@ LOCK_WAIT_SAME_JOB_S = 30.0
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+    ckpt_dir: str | None = None  # Policy.ckpt_dir: checkpoints elsewhere (a folder or a URL)
 
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def checkpoint_location(self) -> str | Path:
+        """Where the checkpoint backend opens: ckpt_dir, else run_dir/checkpoints."""
+        return self.ckpt_dir if self.ckpt_dir is not None else self.checkpoints
 
     @property
     def hang(self) -> Path:
@@ -62,8 +70,8 @@ class RunDir:
         return self.path / "archive"
 
 
-def check_writable(path: Path) -> None:
-    """Create `path` and write a probe file in it, or refuse in one line naming the path."""
+def check_writable(path: Path, what: str = "run_dir") -> None:
+    """Create `path` and write a probe file in it, or refuse in one line naming the path (`what` it is)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".probe.{socket.gethostname()}.{os.getpid()}"
@@ -73,7 +81,7 @@ def check_writable(path: Path) -> None:
         why = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable (permission denied)",
                errno.ENOTDIR: "is under a regular file, not a folder", errno.ENOSPC: "is on a full disk",
                errno.EEXIST: "exists and is not a folder"}.get(exc.errno, f"cannot be written ({exc.strerror})")
-        raise UserError(f"run_dir {str(path)!r} {why}", "pass a writable folder as run_dir", local=True) from None
+        raise UserError(f"{what} {str(path)!r} {why}", f"pass a writable folder as {what}", local=True) from None
 
 
 class RunLock:

@@ -7,6 +7,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from ..checkpoint.backend import scheme_of
 from ..collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..dist import DistContext
 from ..errors import UserError
@@ -22,29 +23,39 @@ def hang_folder(run_dir: str | Path | None) -> str:
 
 
 def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
-    """Before any work: the folder is writable, no other job uses it, and every rank sees it."""
+    """Before any work: the folder is writable, no other job uses it, and every rank sees the folder
+    checkpoints are written into: run_dir, or ckpt_dir when that is a folder. With ckpt_dir a URL the
+    store is probed when its backend opens (object_store.probe) and run_dir may be each node's own."""
     lock = None
+    shared = rd.path if rd.ckpt_dir is None else None if scheme_of(rd.ckpt_dir) else Path(rd.ckpt_dir)
 
     def rank0() -> str:
         nonlocal lock  # stays on rank 0: only the token travels
         check_writable(rd.path)
+        if shared is not None and shared != rd.path:
+            check_writable(shared, "ckpt_dir")
         lock = RunLock(rd.path / ".lock", ctx.env.job_id).acquire()
         token = new_token()
-        write_token(rd.path, token) if ctx.world_size > 1 else None
+        write_token(shared, token) if ctx.world_size > 1 and shared is not None else None
         return token
 
     token = rank0_verdict(ctx, rank0)
-    if ctx.world_size > 1:
-        sees = sees_token(rd.path, token)
+    if rd.ckpt_dir is not None and ctx.is_main:
+        print(f"ddp_kit: checkpoints go to {rd.ckpt_dir} (ckpt_dir); metrics.jsonl, summary.json and hang reports "
+              f"stay in run_dir {str(rd.path)!r} on each node's own disk (metrics and summary: rank 0's)", flush=True)
+    if ctx.world_size > 1 and shared is not None:
+        sees = sees_token(shared, token)
         everyone = all_true(ctx, sees)  # 4 bytes per rank; who is blind is asked only if someone is
         if ctx.is_main:
-            remove_token(rd.path, token)
+            remove_token(shared, token)
         if not everyone:
             gathered = gather_object(ctx, None if sees else (ctx.rank, socket.gethostname()))
             blind = broadcast_object(ctx, [g for g in gathered if g] if ctx.is_main else None)
             r, host = blind[0]
             more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
-            raise UserError(f"run_dir {str(rd.path)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "
+            what = "run_dir" if rd.ckpt_dir is None else "ckpt_dir"
+            raise UserError(f"{what} {str(shared)!r} is not one shared folder: rank {r} on {host}{more} cannot see a "
                             f"file rank 0 wrote there; checkpoints need every rank to write into the same folder",
-                            "put run_dir on storage every node mounts (an absolute path); per-node run folders are not supported")
+                            f"put {what} on storage every node mounts (an absolute path), or checkpoints on an object "
+                            f"store: ckpt_dir=s3://BUCKET/PREFIX (--ckpt_dir), with a local run_dir on each node")
     return lock

@@ -1,0 +1,380 @@
+"""The object store checkpoint backend (s3://, gs://, az://, file://, memory://, through fsspec): the
+folder backend's save (checkpointer.py: host snapshot, per-rank files, checksums posted through the
+rendezvous store) with a commit that needs no rename and no shared disk.
+
+    every rank   writes its files into a node-local staging folder (under $TMPDIR, one per run and
+                 rank); the loop waits only for that (async_ckpt: only for the host copy)
+                 uploads them to <url>/step_<N>/ in the writer thread, each retried with backoff,
+                 and posts {file: size, sha256} (or why its upload failed) through the rendezvous store
+    rank 0       checks that every object is listed with its size, uploads the manifest, then
+                 `latest`, then prunes (orphans, keep_last), then tells the others
+    resume       rank 0 lists the store, trusts `latest` as the upper bound, checks a step's manifest
+                 and sizes against the listing, downloads it into a node-local cache and verifies
+                 the checksums there; every other rank downloads what it reads and verifies it too
+
+A crash at any point leaves only objects no manifest vouches for (store.prune removes them). A save
+whose upload fails is not committed: one line, and training goes on; the run stops only when no
+checkpoint has committed for `upload_timeout_s` (Policy.ckpt_upload_timeout_s).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..collectives import all_true, broadcast_object, gather_object, rank0_verdict
+from ..dist import DistContext
+from ..errors import UserError
+from . import layout, store
+from .backend import Found
+from .checkpointer import Checkpointer, _td
+from .store_fs import Store, describe, open_store, refusal
+
+UPLOADS = 4  # objects one rank sends at once
+UPLOAD_TRIES = 4  # per object; the pauses between tries double from BACKOFF_S (1, 2, 4 s)
+BACKOFF_S = 1.0
+SLOW_UPLOAD_S = 5.0  # a save that waits this long for the previous upload says so
+_ERROR = ".upload_error/rank"  # posted instead of a rank's files when its upload failed
+_FAILED, _STOP = "failed", "stop"
+
+
+def open_object_store(ctx: DistContext, location: str, keep_last: int = 3, async_save: bool = False,
+                      timeout_s: float = 600.0, write_delay_s: float = 0.0,
+                      upload_timeout_s: float = 1800.0) -> ObjectStoreCheckpointer:
+    """The BACKENDS factory for URLs. Opening is local (a rank may open the backend alone, to read
+    `latest`); the checks that need every rank (the client installed on every node, probe) run at
+    the first collective call, find or save, which resume makes before step 1."""
+    return ObjectStoreCheckpointer(ctx, location, keep_last=keep_last, async_save=async_save, timeout_s=timeout_s,
+                                   write_delay_s=write_delay_s, upload_timeout_s=upload_timeout_s)
+
+
+def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError | None) -> Store:
+    """Collective: every rank opened the store (a node without s3fs is named), then probe."""
+    if ctx.world_size > 1 and not all_true(ctx, problem is None):
+        mine = None if problem is None else (ctx.rank, socket.gethostname(), problem.message, problem.hint)
+        gathered = gather_object(ctx, mine)
+        r, host, message, hint = broadcast_object(ctx, next(g for g in gathered if g) if ctx.is_main else None)
+        err = UserError(message, hint, rank=r, verdict=True)
+        err.host = host
+        raise err
+    if problem is not None:
+        raise problem
+    probe(ctx, where)
+    return where
+
+
+def probe(ctx: DistContext, where: Store) -> None:
+    """Rank 0 writes a small object, every rank reads it back, rank 0 deletes it: a missing bucket, no
+    credentials, a read-only bucket, or a node that cannot reach the store is one line now."""
+    def write() -> str:
+        token = os.urandom(8).hex()
+        try:
+            where.fs.pipe_file(where.path(layout.PROBE_PREFIX + token), token.encode())
+        except Exception as exc:  # whatever the client raises: said in one line with the URL
+            raise refusal(where.url, exc, "written") from None
+        return token
+
+    token = rank0_verdict(ctx, write)
+    name = where.path(layout.PROBE_PREFIX + token)
+    try:
+        seen = where.fs.cat_file(name).decode() == token
+        why = "it read back different bytes"
+    except Exception as exc:
+        seen, why = False, describe(exc)
+
+    def delete() -> None:
+        try:
+            where.fs.rm_file(name)
+        except Exception as exc:
+            raise refusal(where.url, exc, "cleaned up (deleting an object failed)") from None
+
+    if ctx.world_size > 1 and not all_true(ctx, seen):
+        rank0_verdict(ctx, delete)
+        gathered = gather_object(ctx, None if seen else (ctx.rank, socket.gethostname(), why))
+        blind = broadcast_object(ctx, [g for g in gathered if g] if ctx.is_main else None)
+        r, host, why = blind[0]
+        more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+        raise UserError(f"rank {r} on {host}{more} cannot read checkpoint location {where.url!r}, which rank 0 "
+                        f"wrote ({why})", "give every node the same credentials and endpoint (environment, "
+                        "~/.aws, DDP_KIT_STORAGE_OPTIONS) and a route to the store", verdict=True)
+    if ctx.world_size == 1 and not seen:
+        raise refusal(where.url, RuntimeError(why), "read back")
+    rank0_verdict(ctx, delete)
+
+
+def local_area(url: str, rank: int) -> Path:
+    """This rank's node-local folder for `url`: stage/ (saves being uploaded) and cache/ (downloads)."""
+    digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"ddp_kit-{os.getuid()}" / f"{digest}-rank{rank}"
+
+
+class ObjectStoreCheckpointer(Checkpointer):
+    """Checkpoints of one run at an fsspec URL. `root` is this rank's node-local staging folder;
+    `location` the URL."""
+
+    ships_in_background = True
+    private_staging = True
+
+    def __init__(self, ctx: DistContext, where: Store | str, keep_last: int = 3, async_save: bool = False,
+                 timeout_s: float = 600.0, write_delay_s: float = 0.0, upload_timeout_s: float = 1800.0):
+        self._problem: UserError | None = None
+        if isinstance(where, str):
+            try:
+                where = open_store(where)
+            except UserError as err:  # said at the first collective call (check_every_rank), or by latest()
+                self._problem = err
+        url = where.url if isinstance(where, Store) else where
+        self.local = local_area(url, ctx.rank)
+        shutil.rmtree(self.local, ignore_errors=True)  # a killed process's staging and downloads
+        super().__init__(ctx, self.local / "stage", keep_last=keep_last, async_save=async_save,
+                         timeout_s=timeout_s, write_delay_s=write_delay_s)
+        self._store, self.location = (where if isinstance(where, Store) else None), url
+        self._checked = False
+        self.upload_timeout_s = upload_timeout_s
+        self._last_commit = time.monotonic()  # the bound on failed uploads counts from here
+        self._last_name: str | None = None
+        self._fetched: dict[str, Path] = {}  # step URL -> its verified download
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise self._problem
+        return self._store
+
+    def _check(self) -> None:
+        """Collective, once: see check_every_rank."""
+        if not self._checked:
+            check_every_rank(self.ctx, self._store, self._problem)
+            self._checked = True
+
+    # ---- saving: staging and shipping (the rest is Checkpointer's) ----------------------------------
+
+    def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any],
+             sharded: dict[str, Any] | None = None) -> None:
+        self._check()
+        if self._fetched:  # resumed: what was downloaded for it is not needed again
+            shutil.rmtree(self.local / "cache", ignore_errors=True)
+            self._fetched.clear()
+        super().save(step, shared, per_rank, meta, sharded)
+
+    def _stage_path(self, step: int) -> Path:
+        return self.root / layout.step_name(step)
+
+    def _open_tmp(self, step: int) -> Path:
+        """This rank's own empty staging folder: no other rank writes or waits for it."""
+        tmp = self._stage_path(step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def _gather_timeout_s(self) -> float:
+        # the others' uploads (and rank 0's commit) may take the whole bound; a lost rank is the
+        # peer-loss watchdog's to report, sooner
+        return self.timeout_s + (self.upload_timeout_s or 86400.0)
+
+    def _finish(self, step: int, tmp: Path, files: dict) -> bool:
+        """Upload this rank's files, then rank 0 commits (manifest, then `latest`) or gives the step
+        up; every rank returns whether it committed, or raises when the run must stop."""
+        key = f"ddp_kit/ckpt/{layout.step_name(step)}/committed"
+        try:
+            error = self._upload(step, tmp, files)
+            gathered = self._gather(step, {f"{_ERROR}{self.ctx.rank}": error} if error else files)
+            if self.ctx.is_main:
+                errors = [v for k, v in sorted(gathered.items()) if k.startswith(_ERROR)]
+                outcome = self._outcome(step, errors or self._publish(step, gathered))
+                if self.ctx.store:
+                    self.ctx.store.set(key, outcome)
+            elif self.ctx.store:
+                self.ctx.store.wait([key], _td(self._gather_timeout_s()))
+                outcome = self.ctx.store.get(key).decode()
+            else:
+                outcome = "1"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if outcome.startswith(_STOP):
+            message, hint = json.loads(outcome[len(_STOP):])
+            raise UserError(message, hint, verdict=True)
+        return outcome != _FAILED
+
+    def _upload(self, step: int, tmp: Path, files: dict) -> str | None:
+        """This rank's files to <url>/step_<N>/; None, or why one of them did not get there."""
+        name = layout.step_name(step)
+        names = [n for n in files if (tmp / n).is_file()]
+
+        def one(n: str) -> str | None:
+            return self._put(lambda: self.store.fs.put_file(str(tmp / n), self.store.path(name, n)),
+                             self.store.url_of(name, n))
+
+        with ThreadPoolExecutor(UPLOADS, thread_name_prefix="ddp_kit-ckpt-put") as pool:
+            return next((e for e in pool.map(one, names) if e), None)
+
+    def _put(self, action: Callable[[], Any], url: str) -> str | None:
+        """Run one upload, retried with backoff; None, or the reason it failed every time."""
+        if self.write_delay_s:
+            time.sleep(self.write_delay_s)  # test hook: a window to kill a rank mid-upload
+        for attempt in range(1, UPLOAD_TRIES + 1):
+            try:
+                action()
+                return None
+            except Exception as exc:  # any client error: retried, then reported; never raised into the loop
+                why = describe(exc)
+                if attempt == UPLOAD_TRIES:
+                    return f"upload of {url} failed {UPLOAD_TRIES} times (last: {why})"
+                pause = BACKOFF_S * 2 ** (attempt - 1)
+                print(f"ddp_kit: warning: [rank {self.ctx.rank}] upload of {url} failed ({why}); retrying in "
+                      f"{pause:g}s (try {attempt + 1} of {UPLOAD_TRIES})", file=sys.stderr, flush=True)
+                time.sleep(pause)
+        return None
+
+    def _publish(self, step: int, files: dict) -> list[str]:
+        """Rank 0: the manifest, once every object it names is listed with its size; then `latest`;
+        then prune. Returns [] once committed, else [why not]."""
+        name = layout.step_name(step)
+        manifest = self._manifest(step, files)
+        step_store = Store(self.store.fs, self.store.path(name), self.store.url_of(name))
+        try:
+            have = store.listing(step_store)
+        except Exception as exc:
+            return [f"listing {step_store.url} failed ({describe(exc)})"]
+        for rel, want in sorted(manifest["files"].items()):
+            if have.get(rel) != want["size"]:
+                got = "missing" if rel not in have else f"{have[rel]} bytes, not {want['size']}"
+                return [f"{step_store.url_of(rel)} is {got} on the store after its upload"]
+        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        error = (self._put(lambda: self.store.fs.pipe_file(step_store.path(layout.MANIFEST), body),
+                           step_store.url_of(layout.MANIFEST))
+                 or self._put(lambda: store.point_latest(self.store, name), self.store.url_of(layout.LATEST)))
+        if error:
+            return [error]
+        self._commit_at[step] = time.monotonic()  # commit_s ends here: manifest and `latest` are up
+        try:
+            self.prune(step)
+        except Exception as exc:  # committed all the same; the next save's prune tries again
+            print(f"ddp_kit: warning: pruning {self.location} after {name} failed ({describe(exc)}); the next "
+                  f"checkpoint tries again", file=sys.stderr, flush=True)
+        return []
+
+    def _outcome(self, step: int, errors: list[str]) -> str:
+        """Rank 0's word to every rank: "1" (committed), failed (training goes on), or stop."""
+        name, now = layout.step_name(step), time.monotonic()
+        if not errors:
+            self._last_commit, self._last_name = now, name
+            return "1"
+        waited = now - self._last_commit
+        last = self._last_name or self.latest_name()
+        if self.upload_timeout_s and waited > self.upload_timeout_s:
+            return _STOP + json.dumps([
+                f"no checkpoint has committed to {self.location} for {waited:.0f}s (ckpt_upload_timeout_s "
+                f"{self.upload_timeout_s:g}); {name} failed too: {errors[0]}",
+                f"check the store (endpoint, credentials, quota, network) or raise ckpt_upload_timeout_s; rerun "
+                f"the same command to resume (last committed: {last})"])
+        print(f"ddp_kit: warning: checkpoint {name} was not committed to {self.location}: {errors[0]}; training "
+              f"goes on and the next checkpoint tries again (the run stops after ckpt_upload_timeout_s "
+              f"{self.upload_timeout_s:g}s without a commit; last committed: {last})", file=sys.stderr, flush=True)
+        return _FAILED
+
+    def wait(self) -> None:
+        """Block until the pending upload is committed (saying so when that takes a while)."""
+        pending = self._thread
+        if pending is not None and pending.is_alive():
+            pending.join(SLOW_UPLOAD_S)
+            if pending.is_alive() and self.ctx.is_main:
+                step = layout.step_name(int(pending.name.rsplit("-", 1)[-1]))
+                print(f"ddp_kit: waiting for the upload of {step} "
+                      f"to {self.location} (still running after {SLOW_UPLOAD_S:g}s)", file=sys.stderr, flush=True)
+        super().wait()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+    def prune(self, newest: int) -> None:
+        """See store.prune: orphans, objects no manifest names, and steps beyond keep_last go."""
+        store.prune(self.store, newest, self.keep_last)
+
+    # ---- the pointer and the lineage ---------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        return store.read_latest(self.store)
+
+    def latest_name(self) -> str:
+        try:
+            return store.latest_name(self.store)
+        except Exception as exc:  # said inside other messages: never a second error
+            return f"unknown ({describe(exc)})"
+
+    def owns(self, found: Found) -> bool:
+        below = self.store.under(str(found.path)) if isinstance(found.path, str) else None
+        return below is not None and layout.step_of(below) is not None
+
+    def archive(self, keep_upto: int | None, into: str | Path) -> list[int]:
+        """Rank 0 only: see store.archive_abandoned. The steps go to <url>/archive/<time>/ (an `into`
+        elsewhere than on this store is not the same storage, and is not used)."""
+        below = self.store.under(into) if isinstance(into, str) else None
+        target = Store(self.store.fs, self.store.path(below or layout.ARCHIVE), self.store.url_of(below or layout.ARCHIVE))
+        return store.archive_abandoned(self.store, keep_upto, target)
+
+    def archive_location(self) -> str:
+        return self.store.url_of(layout.ARCHIVE)
+
+    # ---- finding and loading -------------------------------------------------------------------------
+
+    def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
+        """Rank 0 picks and verifies the step (store.choose); every rank gets its choice."""
+        self._check()
+        def choose() -> tuple[str, int] | None:
+            try:
+                return store.choose(self.store, resume, warn, self.local / "cache")
+            except UserError:
+                raise
+            except Exception as exc:
+                raise refusal(self.location, exc, "read") from None
+
+        value = rank0_verdict(self.ctx, choose)
+        if not value:
+            return None
+        path: Path | str = value[0] if "://" in value[0] else Path(value[0])
+        if self.ctx.is_main and isinstance(path, str):
+            self._fetched[path] = self.local / "cache" / layout.step_name(value[1])
+        return Found(path, value[1])
+
+    def _local(self, found: Found) -> Found:
+        """`found` as a local folder: this rank's verified download of what it reads (every shared
+        file, its own rank file, dcp/)."""
+        if isinstance(found.path, Path):
+            return found
+        url = str(found.path)
+        if url not in self._fetched:
+            parent = url.rpartition("/")[0]
+            there = Store(self.store.fs, self.store.fs._strip_protocol(parent).rstrip("/"), parent)
+            manifest = store.read_manifest(there, found.step)
+            reason = "its manifest is gone" if manifest is None else None
+            if manifest is not None:
+                own = layout.rank_file(self.ctx.rank)
+                reason = store.fetch(there, url, self.local / "cache" / layout.step_name(found.step), manifest,
+                                     want=lambda n: n == own or layout.rank_of(n) is None)
+            if reason:
+                raise UserError(f"checkpoint {url} changed while the ranks read it: {reason}",
+                                "rerun the same command (resume falls back past a damaged checkpoint)", local=True)
+            self._fetched[url] = self.local / "cache" / layout.step_name(found.step)
+        return Found(self._fetched[url], found.step)
+
+    def load(self, found: Found) -> tuple[dict, dict | None, dict]:
+        return super().load(self._local(found))
+
+    def sharded_keys(self, found: Found) -> set[str]:
+        return super().sharded_keys(self._local(found))
+
+    def load_sharded(self, found: Found, template: dict) -> None:
+        super().load_sharded(self._local(found), template)

@@ -1,0 +1,248 @@
+"""A checkpoint location on an object store (any fsspec file system), read and rearranged without a
+process group: its objects and steps, which steps are committed and valid (manifest, sizes against
+a listing, then checksums of a download into a local cache), which one `latest` names, which one a
+run resumes from, pruning a killed save's objects and old steps, and moving an abandoned run's steps
+aside. The object store twin of folder.py; used by object_store.py and `python -m ddp_kit.checkpoint`.
+
+There is no rename on a store: a step is committed by writing its manifest after every object it
+names, then `latest`. A step prefix without a manifest is a killed or failed save's, never read.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import UserError
+from . import folder, layout
+from .durable import sha256_of
+from .store_fs import Store
+
+DOWNLOADS = 8  # objects fetched at once
+
+
+def listing(store: Store) -> dict[str, int]:
+    """{path relative to the location: size} of every object under it, archive/ excluded, listed now
+    (not from the client's listing cache: other ranks and processes write here too)."""
+    store.fs.invalidate_cache(store.root)
+    try:
+        found = store.fs.find(store.root, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for path, info in found.items():
+        rel = store.rel(path)
+        if rel is None or rel.endswith("/") or info.get("type") == "directory":
+            continue
+        if rel.split("/", 1)[0] != layout.ARCHIVE:
+            out[rel] = int(info.get("size") or 0)
+    return out
+
+
+def by_step(objects: dict[str, int]) -> dict[int, list[str]]:
+    """The objects under each step_<N>/ prefix."""
+    out: dict[int, list[str]] = {}
+    for rel in objects:
+        head, _, rest = rel.partition("/")
+        step = layout.step_of(head)
+        if step is not None and rest:
+            out.setdefault(step, []).append(rel)
+    return out
+
+
+def committed(objects: dict[str, int]) -> list[int]:
+    """The steps whose manifest is present, newest first (valid or not: see check and fetch)."""
+    return sorted((s for s in by_step(objects) if f"{layout.step_name(s)}/{layout.MANIFEST}" in objects), reverse=True)
+
+
+def read_latest(store: Store) -> int | None:
+    """The step `latest` names; None when there is no (readable) `latest`."""
+    try:
+        return layout.step_of(store.fs.cat_file(store.path(layout.LATEST)).decode(errors="replace").strip())
+    except FileNotFoundError:
+        return None
+
+
+def point_latest(store: Store, name: str) -> None:
+    """One PUT: a reader sees the old pointer or the new one, never half of one."""
+    store.fs.pipe_file(store.path(layout.LATEST), (name + "\n").encode())
+
+
+def latest_name(store: Store) -> str:
+    step = read_latest(store)
+    return layout.step_name(step) if step is not None else "none yet"
+
+
+def read_manifest(store: Store, step: int) -> dict | None:
+    try:
+        manifest = json.loads(store.fs.cat_file(store.path(layout.step_name(step), layout.MANIFEST)))
+        return manifest if isinstance(manifest.get("files"), dict) else None
+    except (ValueError, AttributeError, FileNotFoundError):
+        return None
+
+
+def check(store: Store, step: int, objects: dict[str, int]) -> tuple[str | None, dict | None]:
+    """(None, manifest) when step `step` has a readable manifest whose every object is listed with its
+    size; else (the reason it is not usable, None). Checksums need the bytes: see fetch."""
+    name = layout.step_name(step)
+    if f"{name}/{layout.MANIFEST}" not in objects:
+        return "no manifest (save did not finish)", None
+    manifest = read_manifest(store, step)
+    if manifest is None:
+        return "unreadable manifest", None
+    for rel, want in sorted(manifest["files"].items()):
+        have = objects.get(f"{name}/{rel}")
+        if have is None:
+            return f"{rel} is missing", None
+        if have != want["size"]:
+            return f"{rel} is truncated ({have} of {want['size']} bytes)", None
+    return None, manifest
+
+
+def fetch(store: Store, step_url: str, dest: Path, manifest: dict, want: Callable[[str], bool] | None = None) -> str | None:
+    """Download step `step_url` (its manifest and the files `want` admits, default all) into the empty
+    folder `dest` and verify each file's checksum there; None when it is sound, else why not.
+    A step fetched whole is then checked as any local step folder (folder.validate, safe loading)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    (dest / layout.MANIFEST).write_text(json.dumps(manifest))
+    names = [n for n in sorted(manifest["files"]) if want is None or want(n)]
+    for n in names:
+        (dest / n).parent.mkdir(parents=True, exist_ok=True)
+    src = store.fs._strip_protocol(step_url)
+
+    def get(n: str) -> str | None:
+        try:
+            store.fs.get_file(f"{src}/{n}", str(dest / n))
+        except FileNotFoundError:
+            return f"{n} is missing"
+        return None
+
+    with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="ddp_kit-ckpt-get") as pool:
+        missing = [r for r in pool.map(get, names) if r]
+    if missing:
+        return missing[0]
+    if want is None:
+        return folder.validate(dest)
+    for n in names:
+        size, sha = (dest / n).stat().st_size, sha256_of(dest / n)
+        if size != manifest["files"][n]["size"]:
+            return f"{n} is truncated ({size} of {manifest['files'][n]['size']} bytes)"
+        if sha != manifest["files"][n]["sha256"]:
+            return f"{n} is corrupt (checksum mismatch)"
+    from .safe_load import check_folder  # torch only here
+
+    return check_folder(dest)
+
+
+def validate(store: Store, step: int, objects: dict[str, int], cache: Path) -> str | None:
+    """None when step `step` is committed and sound (then it lies verified in `cache`), else why not."""
+    reason, manifest = check(store, step, objects)
+    if reason is None:
+        reason = fetch(store, store.url_of(layout.step_name(step)), cache, manifest)
+    if reason is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+    return reason
+
+
+def list_checkpoints(store: Store) -> list[tuple[int, str, str | None, int, int | None]]:
+    """(step, URL, reason-if-invalid, bytes, world size) for every step prefix, newest first. Only the
+    manifest and the listed sizes are checked: checksums need a download (fetch; export does it)."""
+    objects = listing(store)
+    rows = []
+    for step, rels in sorted(by_step(objects).items(), reverse=True):
+        reason, manifest = check(store, step, objects)
+        rows.append((step, store.url_of(layout.step_name(step)), reason, sum(objects[r] for r in rels),
+                     manifest.get("world_size") if manifest else None))
+    return rows
+
+
+def choose(store: Store, resume: str, warn: Callable[[str], None], cache: Path) -> tuple[str, int] | None:
+    """As folder.choose, on a store: resume=auto takes the step `latest` names once verified; only when
+    it is damaged the newest valid one below it (steps above `latest` are an abandoned run's).
+    An explicit step is a URL (<location>/step_<N>, here or elsewhere on the same store) or a local
+    step folder. The chosen step lies verified in `cache`/step_<N>."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return _named(store, resume, cache)
+    objects = listing(store)
+    latest = read_latest(store)
+    for step in sorted(by_step(objects), reverse=True):
+        if latest is not None and step > latest:
+            continue
+        name = layout.step_name(step)
+        reason = validate(store, step, objects, cache / name)
+        if reason is None:
+            return store.url_of(name), step
+        warn(f"checkpoint {store.url_of(name)} is not usable ({reason}); falling back to an older one")
+    return None
+
+
+def _named(store: Store, resume: str, cache: Path) -> tuple[str, int]:
+    hint = f"pick one from `python -m ddp_kit.checkpoint list {store.url}`, or use resume auto"
+    if "://" not in resume:
+        return folder.choose(Path(resume), resume, lambda _: None)  # a local step folder, refused there if bad
+    url = resume.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    step = layout.step_of(name)
+    if step is None:
+        raise UserError(f"resume {resume!r} does not name a step (<location>/step_<N>)", hint)
+    there = Store(store.fs, store.fs._strip_protocol(parent).rstrip("/"), parent)
+    reason = validate(there, step, listing(there), cache / name)
+    if reason:
+        raise UserError(f"checkpoint {url!r} cannot be resumed: {reason}", hint)
+    return url, step
+
+
+def remove_steps(store: Store, steps: list[int]) -> None:
+    if steps:
+        store.fs.rm([store.path(layout.step_name(s)) for s in steps], recursive=True)
+
+
+def prune(store: Store, newest: int, keep_last: int) -> list[int]:
+    """Remove a killed or failed save's objects (step prefixes without a manifest, objects a manifest
+    does not name, startup probes), and the committed steps up to `newest` beyond the newest
+    `keep_last` (0: keep all). Steps above `newest` with a manifest are an abandoned run's: archive's.
+    Returns the committed steps removed."""
+    objects = listing(store)
+    steps = by_step(objects)
+    done = set(committed(objects))
+    orphans = [s for s in steps if s not in done]
+    kept = sorted((s for s in done if s <= newest), reverse=True)
+    doomed = kept[keep_last:] if keep_last >= 1 else []
+    remove_steps(store, orphans + doomed)
+    extras = [store.path(r) for r in objects if r.startswith(layout.PROBE_PREFIX)]
+    for s in (kept[:keep_last] if keep_last >= 1 else kept[:1]):  # older ones were cleaned at their own commit
+        manifest = read_manifest(store, s)
+        if manifest is not None:
+            named = {f"{layout.step_name(s)}/{n}" for n in manifest["files"]} | {f"{layout.step_name(s)}/{layout.MANIFEST}"}
+            extras += [store.path(r) for r in steps[s] if r not in named]
+    if extras:
+        store.fs.rm(extras)
+    return doomed
+
+
+def archive_abandoned(store: Store, keep_upto: int | None, into: Store) -> list[int]:
+    """As folder.archive_abandoned, on a store: every committed step above `keep_upto` (all when None)
+    is copied to `into`/<time>/ and then deleted, with `latest` naming `keep_upto` (or removed) before
+    anything moves. Nothing is lost: a crash half-way leaves a step in both places."""
+    objects = listing(store)
+    moved = sorted(s for s in committed(objects) if keep_upto is None or s > keep_upto)
+    if keep_upto is None:
+        try:
+            store.fs.rm_file(store.path(layout.LATEST))
+        except FileNotFoundError:
+            pass
+    elif read_latest(store) != keep_upto:
+        point_latest(store, layout.step_name(keep_upto))
+    if moved:
+        dest = into.path(layout.archive_stamp())
+        steps = by_step(objects)
+        for s in moved:
+            for rel in steps[s]:
+                store.fs.copy(store.path(rel), f"{dest}/{rel}")
+        remove_steps(store, moved)
+    return moved

@@ -1,0 +1,444 @@
+"""The object store checkpoint backend in this process (world size 1), on fsspec's own stores: an
+in-process `memory://` and the local `file://` (the same code path as s3://, without a server; the
+S3-protocol server tests are test_ckpt_s3.py's). The commit protocol is checked by what it leaves on
+the store: every object before the manifest, the manifest before `latest`; damage is made by writing
+the damaged object, and failed uploads by a step prefix that cannot be written (a file in its way)."""
+import hashlib
+import json
+import uuid
+
+import pytest
+
+
+def _alone():
+    import torch
+
+    from ddp_kit.dist import DistContext
+    from ddp_kit.env import DistEnv
+
+    return DistContext(DistEnv(), torch.device("cpu"), "gloo")
+
+
+def _url(tmp_path=None):
+    return f"file://{tmp_path}/ck" if tmp_path is not None else f"memory://bucket-{uuid.uuid4().hex[:8]}/run"
+
+
+def _save(ck, step, value=None):
+    import torch
+
+    value = float(step) if value is None else value
+    ck.save(step, {"model": {"w": torch.full((4,), value)}, "loop": {"step": step}},
+            {"rng": torch.get_rng_state()}, {"strategy": "ddp"})
+
+
+def _objects(ck):
+    from ddp_kit.checkpoint import store
+
+    return store.listing(ck.store)
+
+
+@pytest.fixture(params=["memory", "file"])
+def url(request, tmp_path):
+    return _url(tmp_path if request.param == "file" else None)
+
+
+def test_commit_uploads_every_object_then_the_manifest_then_latest(url):
+    import fsspec.implementations.memory as memory
+
+    from ddp_kit.checkpoint import layout, open_backend
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
+    from ddp_kit.checkpoint.store_fs import Store
+
+    class Recording(memory.MemoryFileSystem):  # the real in-memory store, remembering the order of writes
+        order: list = []
+
+        def put_file(self, lpath, rpath, *a, **k):
+            Recording.order.append(rpath.rsplit("/", 1)[-1])
+            return super().put_file(lpath, rpath, *a, **k)
+
+        def pipe_file(self, path, value, *a, **k):
+            Recording.order.append(path.rsplit("/", 1)[-1])
+            return super().pipe_file(path, value, *a, **k)
+
+    fs = Recording()
+    ck = ObjectStoreCheckpointer(_alone(), Store(fs, "/rec/run", "memory://rec/run"))
+    _save(ck, 5)
+    ck.wait()
+    names = [n for n in Recording.order if not n.startswith(layout.PROBE_PREFIX)]
+    assert names[-2:] == ["manifest.json", "latest"], names
+    assert set(names[:-2]) == {"model.pt", "train_state.pt", "meta.json", "rank0.pt"}
+    manifest = json.loads(fs.cat_file("/rec/run/step_5/manifest.json"))
+    for name, want in manifest["files"].items():  # the manifest vouches for exactly the bytes on the store
+        data = fs.cat_file(f"/rec/run/step_5/{name}")
+        assert want == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert fs.cat_file("/rec/run/latest").decode().strip() == "step_5" and ck.latest() == 5
+    (timing,) = ck.take_timings()
+    assert timing["step"] == 5 and 0 <= timing["blocking_s"] <= timing["commit_s"]
+    ck.close()
+    # and through the registry, on both stores
+    ck = open_backend(url, _alone())
+    _save(ck, 1)
+    ck.wait()
+    assert sorted(_objects(ck)) == ["latest", "step_1/manifest.json", "step_1/meta.json", "step_1/model.pt",
+                                    "step_1/rank0.pt", "step_1/train_state.pt"]
+    ck.close()
+
+
+def test_resume_reads_the_newest_committed_step_back_from_a_fresh_backend(url):
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(url, _alone(), keep_last=3)
+    for step in (1, 2, 3):
+        _save(ck, step)
+    ck.close()
+    again = open_backend(url, _alone())
+    found = again.find("auto", warn=pytest.fail)
+    assert found.path == f"{url}/step_3" and found.step == 3 and again.owns(found)
+    shared, own, meta = again.load(found)
+    assert shared["model"]["w"].tolist() == [3.0] * 4 and "rng" in own and meta["world_size"] == 1
+    assert again.find("never", warn=pytest.fail) is None
+    named = again.find(f"{url}/step_2", warn=pytest.fail)
+    assert named.step == 2 and again.load(named)[0]["loop"]["step"] == 2
+    again.close()
+
+
+@pytest.mark.parametrize("damage,said", [("truncate", "model.pt is truncated ("), ("flip", "model.pt is corrupt (checksum mismatch)"),
+                                         ("delete", "model.pt is missing"), ("manifest", "no manifest (save did not finish)")])
+def test_find_falls_back_past_a_damaged_newest_step_in_one_line(url, damage, said):
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(url, _alone())
+    for step in (1, 2):
+        _save(ck, step)
+    ck.wait()
+    fs, obj = ck.store.fs, ck.store.path("step_2", "manifest.json" if damage == "manifest" else "model.pt")
+    data = fs.cat_file(obj)
+    if damage == "truncate":
+        fs.pipe_file(obj, data[: len(data) // 2])
+    elif damage == "flip":
+        fs.pipe_file(obj, data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        fs.rm_file(obj)
+    lines = []
+    found = ck.find("auto", warn=lines.append)
+    assert found.step == 1 and ck.load(found)[0]["model"]["w"].tolist() == [1.0] * 4
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {url}/step_2 is not usable ({said}")
+    assert lines[0].endswith("falling back to an older one")
+    ck.close()
+
+
+def test_a_crash_leaves_only_objects_no_manifest_vouches_for_and_the_next_save_removes_them(url):
+    from ddp_kit.checkpoint import layout, open_backend
+
+    ck = open_backend(url, _alone(), keep_last=2)
+    for step in (1, 2, 3, 4):
+        _save(ck, step)
+    ck.wait()
+    fs, path = ck.store.fs, ck.store.path
+    # what killed saves leave: a step's objects without its manifest (below and above `latest`), an
+    # object of an earlier attempt inside a committed step, a startup probe
+    for orphan in (9, 0):
+        fs.pipe_file(path(f"step_{orphan}", "rank0.pt"), b"half")
+    fs.pipe_file(path("step_4", "rank7.pt"), b"an earlier attempt's")
+    fs.pipe_file(path(layout.PROBE_PREFIX + "dead"), b"x")
+    assert ck.find("auto", warn=pytest.fail).step == 4  # orphans are never read
+    _save(ck, 5)
+    ck.wait()
+    objects = _objects(ck)
+    assert sorted({r.split("/")[0] for r in objects}) == ["latest", "step_4", "step_5"]  # keep_last 2, nothing else
+    assert "step_4/rank7.pt" not in objects
+    # a save killed between the manifest and `latest`: complete, but above `latest`, so never resumed
+    _save(ck, 6)
+    ck.wait()
+    fs.pipe_file(path("latest"), b"step_5\n")
+    assert ck.find("auto", warn=pytest.fail).step == 5
+    ck.close()
+
+
+def test_keep_last_zero_keeps_every_committed_step(url):
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(url, _alone(), keep_last=0)
+    for step in (1, 2, 3):
+        _save(ck, step)
+    ck.wait()
+    assert sorted({r.split("/")[0] for r in _objects(ck)}) == ["latest", "step_1", "step_2", "step_3"]
+    ck.close()
+
+
+def test_archive_copies_the_abandoned_steps_under_the_url_and_points_latest_first(url):
+    from ddp_kit.checkpoint import open_backend, store
+    from ddp_kit.reliability.checkpoint_io import archive_folder
+    from ddp_kit.reliability.run_dir import RunDir
+
+    ck = open_backend(url, _alone(), keep_last=0)
+    for step in (1, 2, 3):
+        _save(ck, step)
+    ck.wait()
+    into = archive_folder(ck, RunDir(__import__("pathlib").Path("/nonexistent")))
+    assert into == f"{url}/archive"
+    assert ck.archive(1, into) == [2, 3] and ck.latest() == 1
+    archived = ck.store.fs.find(ck.store.path("archive"))
+    assert len(archived) == 10 and all("/archive/20" in a for a in archived)  # <url>/archive/<time>/step_N/...
+    assert sorted({r.split("/")[0] for r in _objects(ck)}) == ["latest", "step_1"]
+    assert ck.find("auto", warn=pytest.fail).step == 1
+    assert ck.archive(None, into) == [1] and ck.latest() is None and store.committed(_objects(ck)) == []
+    ck.close()
+
+
+def test_a_failed_upload_is_retried_said_and_given_up_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    from ddp_kit.checkpoint import object_store, open_backend
+
+    monkeypatch.setattr(object_store, "BACKOFF_S", 0.01)
+    url = _url(tmp_path)
+    ck = open_backend(url, _alone(), keep_last=2)
+    _save(ck, 1)
+    ck.wait()
+    (tmp_path / "ck" / "step_2").write_text("a file where the step's prefix goes: every upload into it fails")
+    _save(ck, 2)
+    ck.wait()  # not raised: the run goes on
+    err = capsys.readouterr().err
+    retries = [line for line in err.splitlines() if "retrying in" in line]
+    assert len(retries) == 3 * 4 and f"upload of {url}/step_2/" in retries[0] and "(try 2 of 4)" in retries[0]
+    given_up = [line for line in err.splitlines() if "was not committed" in line]
+    assert len(given_up) == 1 and given_up[0].startswith(f"ddp_kit: warning: checkpoint step_2 was not committed to {url}: ")
+    assert "failed 4 times" in given_up[0] and "ckpt_upload_timeout_s 1800s" in given_up[0] and "last committed: step_1" in given_up[0]
+    assert ck.latest() == 1 and [t["step"] for t in ck.take_timings()] == [1]  # the failed save has no commit time
+    _save(ck, 3)
+    ck.wait()
+    assert ck.latest() == 3
+    ck.close()
+
+
+def test_the_run_stops_in_one_line_when_nothing_has_committed_for_ckpt_upload_timeout_s(tmp_path, monkeypatch):
+    from ddp_kit.checkpoint import object_store, open_backend
+    from ddp_kit.errors import UserError
+
+    monkeypatch.setattr(object_store, "BACKOFF_S", 0.01)
+    url = _url(tmp_path)
+    ck = open_backend(url, _alone(), upload_timeout_s=0.05)
+    _save(ck, 1)
+    ck.wait()
+    (tmp_path / "ck" / "step_2").write_text("in the way")
+    _save(ck, 2)
+    with pytest.raises(UserError) as err:
+        ck.wait()
+    line = err.value.line()
+    assert f"no checkpoint has committed to {url} for " in line and "(ckpt_upload_timeout_s 0.05)" in line
+    assert "raise ckpt_upload_timeout_s" in line and "last committed: step_1" in line and "\n" not in line
+    ck.close()
+
+
+def test_write_delay_slows_every_upload_and_the_loop_waits_only_for_the_local_files(tmp_path):
+    import time
+
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(_url(tmp_path), _alone(), write_delay_s=0.2)
+    began = time.monotonic()
+    _save(ck, 1)  # the staging write sleeps too (model.pt and rank0.pt, side by side): ~0.2 s
+    returned = time.monotonic() - began
+    assert ck.latest() is None  # five objects at 0.2 s each, four at once: the upload is not done yet
+    ck.wait()
+    (timing,) = ck.take_timings()
+    assert ck.latest() == 1 and timing["blocking_s"] <= returned + 0.01 and timing["commit_s"] >= timing["blocking_s"] + 0.35
+    ck.close()
+
+
+def test_async_saves_go_through_the_same_commit(url):
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(url, _alone(), keep_last=2, async_save=True)
+    for step in (1, 2, 3):
+        _save(ck, step)
+    ck.close()
+    again = open_backend(url, _alone())
+    found = again.find("auto", warn=pytest.fail)
+    assert found.step == 3 and again.load(found)[0]["model"]["w"].tolist() == [3.0] * 4
+    assert sorted({r.split("/")[0] for r in _objects(again)}) == ["latest", "step_2", "step_3"]
+    again.close()
+
+
+# ---- bad input: one line naming the URL and the fix --------------------------------------------------
+
+def _probed(location):
+    """Open a backend and make the first collective call, as resume does before step 1 (opening
+    alone is local: a rank may open it by itself to read `latest`)."""
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(location, _alone())
+    try:
+        ck.find("auto", warn=pytest.fail)
+    finally:
+        ck.close()
+
+@pytest.mark.parametrize("location,said,fix", [
+    ("gs://bucket/run", "'gs://bucket/run' needs gcsfs, which is not installed here", "pip install gcsfs"),
+    ("az://container/run", "'az://container/run' needs adlfs, which is not installed here", "pip install adlfs"),
+])
+def test_a_scheme_whose_client_is_not_installed_is_one_line(location, said, fix):
+    pytest.importorskip("fsspec")
+    from ddp_kit.errors import UserError
+
+    try:
+        __import__({"gs": "gcsfs", "az": "adlfs"}[location[:2]])
+        pytest.skip("the client is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(UserError) as err:
+        _probed(location)
+    line = err.value.line()
+    assert said in line and f"(hint: {fix})" in line and "\n" not in line
+
+
+def test_a_location_that_cannot_be_written_is_refused_at_open(tmp_path):
+    from ddp_kit.errors import UserError
+
+    (tmp_path / "plain_file").write_text("x")
+    with pytest.raises(UserError) as err:
+        _probed(f"file://{tmp_path}/plain_file/ck")
+    line = err.value.line()
+    assert f"checkpoint location 'file://{tmp_path}/plain_file/ck' cannot be written (" in line and "hint: " in line
+
+
+@pytest.mark.parametrize("value,said", [("{not json", "DDP_KIT_STORAGE_OPTIONS is not valid JSON"),
+                                        ('["a"]', "DDP_KIT_STORAGE_OPTIONS must be a JSON object")])
+def test_bad_storage_options_are_one_line(monkeypatch, value, said):
+    from ddp_kit.errors import UserError
+
+    monkeypatch.setenv("DDP_KIT_STORAGE_OPTIONS", value)
+    with pytest.raises(UserError) as err:
+        _probed("memory://b/run")
+    assert said in err.value.line() and "hint: " in err.value.line()
+
+
+def test_refusal_names_missing_bucket_credentials_and_permission():
+    from ddp_kit.checkpoint.store_fs import refusal
+
+    class NoCredentialsError(Exception):  # botocore's name for it; botocore itself is optional
+        pass
+
+    url = "s3://b/run"
+    assert "the bucket of checkpoint location 's3://b/run' does not exist" in refusal(url, FileNotFoundError("NoSuchBucket"), "written").line()
+    assert "no credentials for checkpoint location 's3://b/run'" in refusal(url, NoCredentialsError("Unable to locate credentials"), "written").line()
+    line = refusal(url, PermissionError("AccessDenied"), "written").line()
+    assert "cannot be written: access denied" in line and "read-only bucket" in line
+
+
+def test_a_url_as_run_dir_and_a_ckpt_dir_without_run_dir_are_one_line():
+    from ddp_kit.errors import UserError
+    from ddp_kit.reliability.policy import Policy
+
+    with pytest.raises(UserError) as err:
+        Policy(run_dir="s3://bucket/run")
+    assert "run_dir 's3://bucket/run' is a URL" in err.value.line() and "pass ckpt_dir='s3://bucket/run'" in err.value.line()
+    with pytest.raises(UserError) as err:
+        Policy(ckpt_dir="s3://bucket/run")
+    assert "without a run_dir" in err.value.line()
+    assert Policy(run_dir="runs/x", ckpt_dir="s3://bucket/run").ckpt_dir == "s3://bucket/run"
+
+
+# ---- the CLI on a URL (in this process: memory:// lives in it) ---------------------------------------
+
+def test_cli_lists_and_exports_from_a_url(url, tmp_path, capsys):
+    import torch
+
+    from ddp_kit.checkpoint import cli, open_backend
+
+    ck = open_backend(url, _alone(), keep_last=0)
+    for step in (1, 2, 3):
+        _save(ck, step)
+    ck.wait()
+    fs = ck.store.fs
+    data = fs.cat_file(ck.store.path("step_3", "model.pt"))
+    fs.pipe_file(ck.store.path("step_3", "model.pt"), data[:100])
+    cli.list_(url)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["step", "status", "world", "size", "url"]
+    assert out[1].split()[:3] == ["3", "INVALID", "?"] and f"{url}/step_3 (latest)" in out[1] and "model.pt is truncated (100 of" in out[1]
+    assert out[2].split()[:3] == ["2", "valid", "1"] and out[2].endswith(f"{url}/step_2")
+    cli.export(url, tmp_path / "model.pt")
+    captured = capsys.readouterr()
+    assert "checkpoint step_3 is not usable (model.pt is truncated" in captured.err and "exporting step_2 instead" in captured.err
+    assert f"from {url}/step_2 to" in captured.out
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["w"].tolist() == [2.0] * 4
+    cli.export(url, tmp_path / "one.pt", step=1)
+    assert torch.load(tmp_path / "one.pt", weights_only=True)["w"].tolist() == [1.0] * 4
+    ck.close()
+
+
+def test_cli_on_a_url_with_nothing_or_a_bad_step_is_one_line(url, tmp_path):
+    from ddp_kit.checkpoint import cli
+    from ddp_kit.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        cli.list_(url)
+    assert f"no checkpoints under {url!r}" in err.value.line()
+    with pytest.raises(UserError) as err:
+        cli.export(url, tmp_path / "m.pt", step="latest")
+    assert "there is no 'latest' object" in err.value.line()
+    with pytest.raises(UserError) as err:
+        cli.export(url, tmp_path / "m.pt", step=4)
+    assert "no valid checkpoint at step 4" in err.value.line()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sharded_state_goes_through_dcp_into_staging_and_back_from_the_store(url, one_rank_group, async_save):
+    import torch
+
+    from ddp_kit.checkpoint import open_backend
+
+    ck = open_backend(url, _alone(), async_save=async_save)
+    for step in (1, 2):
+        ck.save(step, {"loop": {"step": step}}, {"rng": torch.get_rng_state()}, {"strategy": "fsdp"},
+                sharded={"model": {"w": torch.full((1000,), float(step))}})
+    ck.close()
+    objects = _objects(ck)
+    assert "step_2/dcp/.metadata" in objects and any(r.startswith("step_2/dcp/__0_") for r in objects)
+    manifest = json.loads(ck.store.fs.cat_file(ck.store.path("step_2", "manifest.json")))
+    assert {n for n in manifest["files"] if n.startswith("dcp/")} == {r[len("step_2/"):] for r in objects if r.startswith("step_2/dcp/")}
+    again = open_backend(url, _alone())
+    found = again.find("auto", warn=pytest.fail)
+    assert found.step == 2 and again.sharded_keys(found) == {"model.w"}
+    template = {"model": {"w": torch.zeros(1000)}}
+    again.load_sharded(found, template)
+    assert template["model"]["w"].eq(2.0).all()
+    again.close()
+
+
+# ---- 2 ranks (torchrun), file:// ---------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_two_ranks_killed_after_a_commit_resume_from_the_store_bit_identically(tmp_path):
+    """Every rank uploads its own rank<R>.pt; a rank SIGKILLed at step 6 (step_4 committed) leaves
+    the job to resume from step_4 on the same URL, to the weights of a run that was never killed."""
+    from conftest import ok, read_json, torchrun
+
+    common = ["-m", "ddp_kit.train", "--epochs", "1", "--max_steps", "8", "--ckpt_every", "4", "--progress", "false",
+              "--peer_timeout_s", "10"]
+    ok(torchrun([*common, "--run_dir", str(tmp_path / "ref"), "--ckpt_dir", f"file://{tmp_path}/ref_ck"]))
+    url = f"file://{tmp_path}/ck"
+    killed = torchrun([*common, "--run_dir", str(tmp_path / "run"), "--ckpt_dir", url, "--inject", "kill:rank=1:step=6"])
+    assert killed.returncode != 0
+    manifest = read_json(tmp_path / "ck" / "step_4" / "manifest.json")
+    assert {"rank0.pt", "rank1.pt", "model.pt"} <= set(manifest["files"]) and manifest["world_size"] == 2
+    res = ok(torchrun([*common, "--run_dir", str(tmp_path / "run"), "--ckpt_dir", url]))
+    assert f"resumed from {url}/step_4 (step 4" in res.stdout
+    assert read_json(tmp_path / "run" / "summary.json")["param_sha256"] == read_json(tmp_path / "ref" / "summary.json")["param_sha256"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step_4", "step_8"]
+
+
+def test_run_dir_checks_say_where_local_outputs_stay_and_check_a_ckpt_dir_folder(tmp_path, capsys):
+    from ddp_kit.errors import UserError
+    from ddp_kit.reliability.run_dir import RunDir
+    from ddp_kit.reliability.run_dir_checks import prepare_run_dir
+
+    lock = prepare_run_dir(_alone(), RunDir(tmp_path / "run", "s3://bucket/run"))
+    lock.release()
+    out = capsys.readouterr().out
+    assert "ddp_kit: checkpoints go to s3://bucket/run (ckpt_dir); metrics.jsonl, summary.json and hang reports stay in" in out
+    assert str(tmp_path / "run") in out
+    (tmp_path / "plain_file").write_text("x")
+    with pytest.raises(UserError) as err:  # a ckpt_dir folder is checked as run_dir is
+        prepare_run_dir(_alone(), RunDir(tmp_path / "run2", str(tmp_path / "plain_file" / "ck")))
+    assert f"ckpt_dir '{tmp_path / 'plain_file' / 'ck'}' is under a regular file" in err.value.line()
