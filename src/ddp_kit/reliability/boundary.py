@@ -41,7 +41,7 @@ from ..dist import DistContext
 from ..errors import UserError
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy
-from . import agreement, grace, registration, resume, saving, stopping
+from . import agreement, attempts, grace, registration, resume, saving, stopping
 from .checkpoint_io import open_checkpointer
 from .crash import handle
 from .lifecycle import RunResources, watch_store
@@ -69,7 +69,7 @@ class StepBoundary:
 
     def __init__(self, ctx: DistContext, policy: Policy, progress: Progress, flag: PreemptFlag):
         self.ctx, self.policy, self.progress, self.flag = ctx, policy, progress, flag
-        self.rd = RunDir(Path(policy.run_dir)) if policy.run_dir else None
+        self.rd = RunDir(Path(policy.run_dir), policy.ckpt_dir) if policy.run_dir else None
         self.hang_dir = hang_folder(policy.run_dir)
         self.say = _say(ctx)
         self.state = TrainState()
@@ -89,6 +89,8 @@ class StepBoundary:
         self.last_save_t = time.monotonic()
         self.last_ckpt_s: float | None = None  # the last committed checkpoint's seconds to commit (grace.py)
         self.grace_warned = False
+        self.exit_code = 0  # how this attempt ends: set by fail() and by a stop (attempts.py records it)
+        self.attempt_started = False  # attempts.begin recorded this attempt's start (rank 0)
         self.resumed_from: int | None = None
         self.resumed_path: Path | None = None
         self.pending = False  # an optimizer stepped since the last boundary (implicit mode)
@@ -114,6 +116,7 @@ class StepBoundary:
         self.resources.start(self.config)
         self.records.writer = self.resources.writer
         grace.check_at_start(self)
+        attempts.begin(self)  # a crash loop stops here, before any work
         return self
 
     @property
@@ -125,6 +128,7 @@ class StepBoundary:
             if self._ckpt is not None:
                 self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
                 grace.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
+            attempts.end(self, self.exit_code)
         except Exception:
             if not self.failed:  # after a failure, the failure is what gets reported
                 raise
@@ -145,8 +149,9 @@ class StepBoundary:
         if self.ctx.failfast is not None:
             self.ctx.failfast.quiet()
         self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
-        return handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
-                      hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
+        self.exit_code = handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
+                                hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
+        return self.exit_code
 
     # ---- registration and the hooks that drive the implicit boundary ----------------------------------
 
@@ -223,9 +228,14 @@ class StepBoundary:
         self.timer.mark("other" if self.optimizers else "backward")
         self.timer.steps += 1
         if loss is not None:
-            value = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            self.records.add_loss(value)
-            self.nonfinite.update(value, done)
+            if isinstance(loss, torch.Tensor) and (loss.device.type != "cpu" or loss.numel() != 1):
+                value = loss.detach().float()  # stays on the device: folded there, read only at log events
+                self.records.add_loss(value)
+                self.nonfinite.update(value, done)
+            else:  # on the host a read waits for nothing: plain floats, no tensor ops per step
+                value = float(loss)
+                self.records.add_loss(value)
+                self.nonfinite.update_host(value, done)
         if not p.warm:
             agreement.first_step_over(self)
         save = bool(self.state and pol.ckpt_every and done % pol.ckpt_every == 0)
@@ -251,7 +261,8 @@ class StepBoundary:
             stopping.stop_if_signalled(self)  # a signal that came during the save is acted on now
         if pol.log_every and done % pol.log_every == 0:
             self.log()
-        self.progress.enter("after step")
+        if p.phase != "after step":  # back from a check's own phase (its time is not the loop's)
+            self.progress.enter("after step")
         return done
 
     def flush(self) -> None:

@@ -8,6 +8,8 @@ A NaN gradient shows up as NaN weights and so as a NaN loss one step later.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as tdist
 
@@ -21,16 +23,24 @@ _NONE = 2**62
 class NonFiniteLoss:
     def __init__(self):
         self.first: torch.Tensor | None = None  # int64 scalar on the loss's device; _NONE while all finite
+        self.first_host = _NONE  # the same for losses read on the host (CPU training: no device to wait for)
 
     def update(self, loss: torch.Tensor, step: int) -> None:
+        """Three device ops, no host sync: this step's number where the loss is not finite, folded
+        into the running minimum in place (the first bad step wins)."""
         if self.first is None:
             self.first = torch.full((), _NONE, dtype=torch.int64, device=loss.device)
-        bad = ~torch.isfinite(loss.detach())
-        self.first = torch.where(bad & (self.first == _NONE), torch.full_like(self.first, step), self.first)
+        here = torch.where(torch.isfinite(loss.detach()), _NONE, step)
+        torch.minimum(self.first, here, out=self.first)
+
+    def update_host(self, loss: float, step: int) -> None:
+        if self.first_host == _NONE and not math.isfinite(loss):
+            self.first_host = step
 
     def check(self, ctx: DistContext, ckpt=None) -> None:
         """Collective: raise the same UserError on every rank if any rank saw a non-finite loss."""
         mine = _NONE if self.first is None else int(self.first.item())  # the one read of the device scalar
+        mine = min(mine, self.first_host)
         step = mine
         if ctx.world_size > 1:  # alone, nothing to agree on: no control tensor (on NCCL, a GPU round trip)
             first = torch.tensor([mine], dtype=torch.int64, device=ctx.control_device)

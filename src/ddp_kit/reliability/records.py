@@ -41,8 +41,8 @@ class MetricsRecords:
         self._window_n = 0
         self.last_log = (time.perf_counter(), 0)  # (when, at which step) the last record was made
 
-    def add_loss(self, value: torch.Tensor) -> None:
-        """A step's loss, folded into a device scalar: never read on the spot."""
+    def add_loss(self, value: torch.Tensor | float) -> None:
+        """A step's loss, folded into a device scalar (never read on the spot), or a float read on the host."""
         self._window_loss = value if self._window_loss is None else self._window_loss + value
         self._window_n += 1
 

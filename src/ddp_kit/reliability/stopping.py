@@ -53,4 +53,5 @@ def stop(b: Boundary, signum: int) -> None:
     # to exit non-zero gets every other task (and rank 0's scontrol) killed.
     barrier(b.ctx)
     b.stopped = True
+    b.exit_code = code
     raise SystemExit(code)

@@ -7,7 +7,8 @@ others never join), perturb (add noise to its parameters), slow (sleep M ms ever
 config (that rank runs with another seed, as if it had loaded a different config file), nan (that
 rank's loss is NaN at step S), nodata (that rank's data_root is missing, as if on a node without the files).
 Faults fire only in a run that started from scratch on the first attempt, so a restarted or
-resumed run can show that it recovers.
+resumed run can show that it recovers; `:always=1` fires on every attempt (a deterministic crash,
+for the crash-loop limit).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Fault:
     rank: int
     step: int
     ms: int = 0
+    always: bool = False  # on every attempt, not only the first
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -35,7 +37,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
         kind, *fields = item.split(":")
         try:
             kv = dict(f.split("=", 1) for f in fields)
-            fault = Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 1)), int(kv.get("ms", 0)))
+            fault = Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 1)), int(kv.get("ms", 0)),
+                          kv.get("always", "0") == "1")
         except ValueError:
             fault = None
         if fault is None or kind not in KINDS:
@@ -46,7 +49,7 @@ def parse(spec: str) -> tuple[Fault, ...]:
 
 class Injector:
     def __init__(self, faults: tuple[Fault, ...], rank: int, armed: bool):
-        self.faults = tuple(f for f in faults if f.rank == rank) if armed else ()
+        self.faults = tuple(f for f in faults if f.rank == rank and (armed or f.always))
 
     def __bool__(self) -> bool:
         return bool(self.faults)

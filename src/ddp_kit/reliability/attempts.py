@@ -1,0 +1,116 @@
+"""A crash loop ends: attempts that fail without a new checkpoint are counted, preemptions are not.
+
+A restart policy (Kubernetes, Ray's FailureConfig, torchrun --max-restarts, a SLURM requeue) reruns
+the command after a failure. A deterministic crash then fails again at the same place, forever or
+until a counter the engine keeps runs out; and most engines keep one counter for preemptions and
+failures alike, so a cap big enough for a week of spot reclaims lets a broken job loop all week.
+So rank 0 keeps run_dir/attempts.jsonl: a "start" record per attempt (with the newest committed
+checkpoint then) and an "end" record (its outcome and exit code; none when the process was
+killed). At startup under an automatic restarter, when the last `max_failed_attempts` attempts
+each failed (or were killed) and none of them committed a checkpoint, the job stops with one line
+and exit 2, which the templates map to "do not retry". A preempted attempt (exit 75) breaks the
+run of failures, and so does any attempt that committed a checkpoint: that is progress. A plain
+rerun by hand is never refused (you are fixing something).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ..collectives import rank0_verdict
+from ..errors import EXIT_USER_ERROR, UserError
+
+FILE = "attempts.jsonl"
+OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
+
+Boundary = Any  # the StepBoundary whose part this is (not imported: the parts sit below it)
+
+
+def begin(b: Boundary) -> None:
+    """At startup (collective): refuse a crash loop, then record this attempt's start (rank 0)."""
+    if b.rd is None:
+        return
+    path = b.rd.path / FILE
+
+    def check() -> None:
+        latest = _latest(b)
+        records = read(path)
+        env = b.ctx.env
+        automatic = env.restarted_by_engine or env.restart_count > 0 or env.requeue_command is not None
+        limit = b.policy.max_failed_attempts
+        failed = failed_in_a_row(records, latest)
+        if automatic and limit and len(failed) >= limit:
+            last = failed[-1]
+            raise UserError(f"the last {len(failed)} attempts of this run failed without a new checkpoint (the newest "
+                            f"is {_step(latest)}; the last ended with exit {last.get('exit', 'killed')} at step "
+                            f"{last.get('step', '?')}): not starting another, a restart would fail the same way",
+                            f"fix the error the previous attempts printed (history: {path}), then rerun; or raise "
+                            f"max_failed_attempts (0: no limit)")
+        _append(path, {"event": "start", "t": round(time.time(), 3), "latest": latest,
+                       "restart_count": env.restart_count})
+        b.attempt_started = True
+
+    rank0_verdict(b.ctx, check)
+
+
+def end(b: Boundary, code: int) -> None:
+    """Record how this attempt ended (rank 0); never raises."""
+    if b.rd is None or not b.ctx.is_main or not b.attempt_started:
+        return  # an attempt refused at startup leaves no end: the failures before it stay in a row
+    try:
+        _append(b.rd.path / FILE, {"event": "end", "t": round(time.time(), 3), "exit": code,
+                                   "outcome": OUTCOMES.get(code, "failed"), "step": b.done})
+    except OSError:
+        pass
+
+
+def failed_in_a_row(records: list[dict], latest: int | None) -> list[dict]:
+    """The trailing attempts that failed or were killed and committed no checkpoint: for each, its
+    end record (or its start record, when it was killed). `latest`: the newest committed step now."""
+    attempts: list[tuple[dict, dict | None]] = []
+    for r in records:
+        if r.get("event") == "start":
+            attempts.append((r, None))
+        elif r.get("event") == "end" and attempts and attempts[-1][1] is None:
+            attempts[-1] = (attempts[-1][0], r)
+    out: list[dict] = []
+    after = latest  # the newest checkpoint when the attempt after this one started
+    for start, finish in reversed(attempts):
+        failed = finish is None or finish.get("outcome") == "failed"
+        if not failed or after != start.get("latest"):  # a clean or preempted end, or progress
+            break
+        out.append(finish or start)
+        after = start.get("latest")
+    return out[::-1]
+
+
+def read(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill
+    return out
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _latest(b: Boundary) -> int | None:
+    try:
+        return b.checkpointer().latest()
+    except Exception:
+        return None
+
+
+def _step(latest: int | None) -> str:
+    return "none yet" if latest is None else f"step_{latest}"
