@@ -1,7 +1,8 @@
 """Baseline: a hand-written DDP training loop in the style of the PyTorch DDP tutorial.
 
 Same model, data, seed and global batch as ddp_kit's job (it borrows ddp_kit's dataset and model
-builders, nothing of its loop). Run under torchrun; writes one JSON line of timings to --out.
+builders, nothing of its loop), and by default the same threads per rank and malloc thresholds.
+Run under torchrun; writes one JSON line of timings to --out.
 """
 import math
 import os
@@ -20,7 +21,15 @@ from ddp_kit.models import build_model
 from ddp_kit.reliability.sync_checks import param_sha256
 
 
-def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, seed: int = 0, size: int = 4096):
+def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, seed: int = 0, size: int = 4096,
+         same_settings: bool = True):
+    """`same_settings`: the threads per rank and glibc malloc thresholds ddp_kit sets at init (its
+    apply_cpu_settings, nothing else of it), so that a comparison is of the loops alone."""
+    if same_settings:
+        from ddp_kit.env import detect
+        from ddp_kit.resources import apply_cpu_settings
+
+        apply_cpu_settings(detect(), torch.device("cpu"))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed + rank)

@@ -2,11 +2,12 @@
 
     python bench/run.py [--rounds 5] [--steps 300] [--worlds 1,2]
 
-Each round launches, in turn, raw_ddp.py, kit_ddp.py (defaults: sync checks, watchdog and per-rank
-metrics on), kit_ddp.py with the sync checks and watchdog off, and kit_ddp.py with the per-rank
-metrics off, each under `torchrun --standalone` (order reversed every other round). Step time =
-wall time between consecutive step ends (data loading and all loop bookkeeping included), median
-over steps after the first `--skip`. Writes bench/results.json and the table in BENCHMARKS.md.
+Each round launches, in turn, raw_ddp.py (with ddp_kit's threads and malloc thresholds), kit_ddp.py
+with the job's defaults, kit_ddp.py with everything the step boundary schedules off, and (at
+--features_at ranks) kit_ddp.py with each feature alone back on, each under `torchrun --standalone`
+(order reversed every other round). Step time = wall time between consecutive step ends (data
+loading and all loop bookkeeping included), median over steps after the first `--skip`. Writes
+bench/results.json and this bench's section of BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -23,12 +24,22 @@ from pathlib import Path
 import fire
 
 HERE = Path(__file__).resolve().parent
+# Everything the step boundary schedules, off; each feature variant turns one back on.
+OFF = ["--ckpt_every", "0", "--sync_check_every", "0", "--rank_metrics", "false", "--hang_timeout_s", "0",
+       "--peer_timeout_s", "0", "--preempt_check_every", "1000000"]
 VARIANTS = {
-    "raw": ["raw_ddp.py"],
-    "kit": ["kit_ddp.py"],
-    "kit_no_checks": ["kit_ddp.py", "--sync_check_every", "0", "--hang_timeout_s", "0"],
-    "kit_no_rank_metrics": ["kit_ddp.py", "--rank_metrics", "false"],
+    "raw": ["raw_ddp.py"],  # the same threads and malloc thresholds as ddp_kit (raw_ddp.py --same_settings)
+    "kit": ["kit_ddp.py", "--ckpt_every", "100"],  # the job's defaults, checkpoints every 100 steps included
+    "kit_off": ["kit_ddp.py", *OFF],
+    "sync_checks": ["kit_ddp.py", *OFF, "--sync_check_every", "100"],
+    "watchdog": ["kit_ddp.py", *OFF, "--hang_timeout_s", "180", "--peer_timeout_s", "30"],
+    "rank_metrics": ["kit_ddp.py", *OFF, "--rank_metrics", "true"],
+    "ckpt_sync": ["kit_ddp.py", *OFF, "--ckpt_every", "100"],
+    "ckpt_async": ["kit_ddp.py", *OFF, "--ckpt_every", "100", "--async_ckpt", "true"],
+    "preempt_agreement": ["kit_ddp.py", *OFF, "--preempt_check_every", "10"],
 }
+FEATURES = ("sync_checks", "watchdog", "rank_metrics", "ckpt_sync", "ckpt_async", "preempt_agreement")
+BEGIN, END = "<!-- bench/run.py: begin -->", "<!-- bench/run.py: end -->"
 
 
 def launch(variant: str, world: int, steps: int, tmp: Path) -> dict:
@@ -50,41 +61,50 @@ def step_median(ends: list[float], skip: int) -> float:
     return statistics.median(gaps)
 
 
-def main(rounds: int = 5, steps: int = 300, skip: int = 20, worlds: str = "1,2", out_md: str = "BENCHMARKS.md",
-         markdown_only: bool = False):
+def main(rounds: int = 5, steps: int = 400, skip: int = 100, worlds: str = "1,2", out_md: str = "BENCHMARKS.md",
+         markdown_only: bool = False, features_at: int = 2):
+    """`features_at`: the world size at which each feature's own cost is measured (the others run
+    raw, kit and kit_off only)."""
     if markdown_only:  # re-render BENCHMARKS.md from bench/results.json without measuring again
         res = json.loads((HERE / "results.json").read_text())
         ckpt = json.loads((HERE / "ckpt_results.json").read_text()) if (HERE / "ckpt_results.json").exists() else None
         write_markdown(Path(out_md), res["rows"], ckpt, res.get("rounds", rounds), res.get("steps", steps), skip, worlds)
         return
-    worlds_list = [int(w) for w in str(worlds).split(",")]
+    worlds_list = [int(w) for w in (worlds if isinstance(worlds, (tuple, list)) else str(worlds).split(","))]
     rows, raw_json = [], {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for world in worlds_list:
-            runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+            names = list(VARIANTS) if world == features_at else ["raw", "kit", "kit_off"]
+            runs: dict[str, list[dict]] = {v: [] for v in names}
             for r in range(rounds):
-                order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))  # ABC CBA ...
+                order = names if r % 2 == 0 else list(reversed(names))  # ABC CBA ...
                 for v in order:
                     runs[v].append(launch(v, world, steps, tmp))
-            med = {v: [step_median(x["ends"], skip) for x in runs[v]] for v in VARIANTS}
-            ratio = statistics.median(k / r for k, r in zip(med["kit"], med["raw"]))
-            checks = statistics.median(k / n for k, n in zip(med["kit"], med["kit_no_checks"]))
-            rank_metrics = statistics.median(k / n for k, n in zip(med["kit"], med["kit_no_rank_metrics"]))
-            same = {x["param_sha256"] for v in VARIANTS for x in runs[v]}
+            med = {v: [step_median(x["ends"], skip) for x in runs[v]] for v in names}
+
+            def ratios(a: str, b: str, med=med) -> list[float]:
+                return [x / y for x, y in zip(med[a], med[b])]
+
+            same = {x["param_sha256"] for v in names for x in runs[v]}
             row = {
                 "world": world,
                 "raw_step_ms": statistics.median(med["raw"]) * 1e3,
+                "raw_step_ms_range": [min(med["raw"]) * 1e3, max(med["raw"]) * 1e3],
                 "kit_step_ms": statistics.median(med["kit"]) * 1e3,
-                "ratio_kit_raw": ratio,
-                "checks_cost": checks - 1,
-                "rank_metrics_cost": rank_metrics - 1,
+                "kit_off_step_ms": statistics.median(med["kit_off"]) * 1e3,
+                "ratio_kit_raw": statistics.median(ratios("kit", "raw")),
+                "ratio_kit_raw_rounds": ratios("kit", "raw"),
+                "ratio_off_raw": statistics.median(ratios("kit_off", "raw")),
+                "ratio_off_raw_rounds": ratios("kit_off", "raw"),
+                "feature_cost": {f: statistics.median(ratios(f, "kit_off")) - 1 for f in FEATURES if f in med},
+                "feature_cost_rounds": {f: [x - 1 for x in ratios(f, "kit_off")] for f in FEATURES if f in med},
                 "bitwise_equal": len(same) == 1,
                 "raw_first_step_s": statistics.median(x["first_step_after_launch_s"] for x in runs["raw"]),
                 "kit_first_step_s": statistics.median(x["first_step_after_launch_s"] for x in runs["kit"]),
                 "raw_peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs["raw"]),
                 "kit_peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs["kit"]),
-                "kit_malloc_tuned": all(x["malloc_tuned"] for v in VARIANTS if v != "raw" for x in runs[v]),
+                "same_malloc": all(x["malloc_tuned"] for v in names for x in runs[v]),
             }
             rows.append(row)
             raw_json[str(world)] = {"per_round_step_median_s": med, "row": row}
@@ -98,59 +118,57 @@ def main(rounds: int = 5, steps: int = 300, skip: int = 20, worlds: str = "1,2",
 
 
 def write_markdown(path: Path, rows: list[dict], ckpt: dict | None, rounds: int, steps: int, skip: int, worlds: str) -> None:
+    """Replace this bench's section of BENCHMARKS.md (between its markers; the first time, the old
+    first table before the API bench's section), leaving every other section as it is."""
     import torch
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, CPU (gloo)"
     lines = [
-        "# Benchmarks", "",
-        "ddp_kit's training loop against a hand-written DDP loop (PyTorch DDP tutorial style: DistributedSampler,",
-        "DDP, same model, data, seed and global batch), launched the same way and alternated in one run.", "",
-        f"Machine: {machine}. Work: MLP (3072-256-10) on synthetic 3x32x32 data, global batch 128, {steps} steps,",
-        f"{rounds} rounds, step time = median gap between step ends after the first {skip} steps.",
-        "ddp_kit runs with its defaults on (sync check every 100 steps, hang watchdog, per-rank metrics at",
-        "every log event, every 50 steps); the cost columns compare it with the same loop with that feature off (median of per-round",
-        "ratios; negative means within noise).", "",
-        "Reproduce: `python bench/ckpt_bench.py --out bench/ckpt_results.json && python bench/run.py`", "",
-        "| ranks | raw step (ms) | ddp_kit step (ms) | ratio ddp_kit/raw | sync check + watchdog cost | per-rank metrics cost | weights bitwise equal | launch to first step, raw / ddp_kit (s) | peak RSS rank 0, raw / ddp_kit (MB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        BEGIN,
+        "## The reference job against a raw DDP loop with the same allocator settings (`python bench/run.py`)", "",
+        "`bench/raw_ddp.py` is a DDP loop in the PyTorch tutorial's style (DistributedSampler, DDP, AdamW, a cosine",
+        "schedule) with the same threads per rank and glibc malloc thresholds that ddp_kit sets (it calls ddp_kit's",
+        "`apply_cpu_settings` and nothing else of it); `bench/kit_ddp.py` is `python -m ddp_kit.train` on the same work.",
+        f"Machine: {machine}. Work: MLP (3072-256-10) on synthetic 3x32x32 data, global batch 128, {steps} steps.",
+        f"Step time: median gap between step ends after the first {skip} steps. {rounds} rounds, the variants alternating",
+        "(ABC, CBA, ...); figures are medians over rounds, with min..max of the per-round ratio in brackets.",
+        "`kit` is the job's defaults (sync checks every 100 steps, hang watchdog, per-rank metrics every 50 steps,",
+        "preemption agreement every 10, a checkpoint every 100); `kit_off` has all of them off; each feature's cost is",
+        "`kit_off` with that one feature back on, against `kit_off` in the same round.", "",
+        "Reproduce: `python bench/run.py` (about 10 minutes on 2 cores).", "",
+        "| ranks | raw step (ms) | ddp_kit defaults (ms) | ratio defaults/raw | everything off (ms) | ratio off/raw | weights bitwise equal | same malloc thresholds | launch to first step, raw / ddp_kit (s) | peak RSS rank 0, raw / ddp_kit (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['world']} | {r['raw_step_ms']:.3f} | {r['kit_step_ms']:.3f} | {r['ratio_kit_raw']:.3f} | "
-                     f"{r['checks_cost'] * 100:+.1f}% | {r['rank_metrics_cost'] * 100:+.1f}% | {'yes' if r['bitwise_equal'] else 'NO'} | "
-                     f"{r['raw_first_step_s']:.2f} / {r['kit_first_step_s']:.2f} | {r['raw_peak_rss_mb']:.0f} / {r['kit_peak_rss_mb']:.0f} |")
-    if ckpt:
-        m, q = ckpt["median_s"], ckpt["ratio_to_torch_save"]
-        lines += ["", f"## Checkpoint blocking time ({ckpt['state_mb']} MB model + AdamW state, median of {ckpt['repeats']})", "",
-                  "| save | blocking (s) | ratio to plain torch.save |", "|---|---|---|"]
-        names = {"torch_save": "plain torch.save (no fsync)", "torch_save_fsync": "torch.save + fsync",
-                 "sync": "ddp_kit sync save (checksums, fsync, atomic commit)", "async_blocking": "ddp_kit async save (loop blocked)",
-                 "async_total": "ddp_kit async save (until committed)"}
-        for k, name in names.items():
-            lines.append(f"| {name} | {m[k]:.4f} | {q[k]:.3f} |")
-        lines.append(f"\nddp_kit sync save / (torch.save + fsync): {m['sync'] / m['torch_save_fsync']:.2f}.")
-    if (HERE / "malloc_results.json").exists():
-        from malloc_bench import markdown as malloc_markdown
 
-        lines += malloc_markdown(json.loads((HERE / "malloc_results.json").read_text()))
-    if not all(r.get("kit_malloc_tuned") for r in rows):
-        allocator = ["- The first table was measured before ddp_kit fixed glibc's malloc thresholds on CPU: both loops ran",
-                     "  with glibc's defaults."]
-    else:
-        allocator = ["- In the first table ddp_kit runs with its fixed malloc thresholds and the raw loop with glibc's",
-                     "  defaults, so on CPU part of the ratio is the allocator (see the allocator section)."]
-    lines += ["", "## Reading these numbers", "",
-              "- On this 2-core machine launch-to-launch variation is several percent at 1 rank and up to ~10% at",
-              "  2 ranks (2 workers + the torchrun agent on 2 cores); per-round ratios are in `bench/results.json`.",
-              "  A ratio below 1 is noise or scheduling, not ddp_kit doing less work: the weights are bitwise equal.",
-              *allocator,
-              "- At 2 ranks the runs with the sync check and watchdog on measured faster than the same loop with them",
-              "  off (and than the raw loop). The cause is glibc's dynamic malloc thresholds, not the check: see the",
-              "  allocator section. It was never a speed-up of the check.",
-              "- Checkpoint goals were sync <= 1.2x torch.save (fsync included) and async blocking <= 0.1x. The sync",
-              "  save is compared with torch.save + fsync, the same durability. The async blocking time is the copy of",
-              "  the state into reused CPU buffers, which is bound by memory bandwidth on this machine.",
-              "", "Raw numbers: `bench/results.json`, `bench/ckpt_results.json`, `bench/malloc_results.json`.", ""]
-    path.write_text("\n".join(lines))
+    def span(xs: list[float]) -> str:
+        return f"({min(xs):.3f}..{max(xs):.3f})"
+
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['raw_step_ms']:.3f} | {r['kit_step_ms']:.3f} | {r['ratio_kit_raw']:.3f} "
+                     f"{span(r['ratio_kit_raw_rounds'])} | {r['kit_off_step_ms']:.3f} | {r['ratio_off_raw']:.3f} "
+                     f"{span(r['ratio_off_raw_rounds'])} | {'yes' if r['bitwise_equal'] else 'NO'} | "
+                     f"{'yes' if r['same_malloc'] else 'NO'} | {r['raw_first_step_s']:.2f} / {r['kit_first_step_s']:.2f} | "
+                     f"{r['raw_peak_rss_mb']:.0f} / {r['kit_peak_rss_mb']:.0f} |")
+    names = {"sync_checks": "sync checks every 100 steps", "watchdog": "hang watchdog + peer heartbeat",
+             "rank_metrics": "per-rank metrics (a record every 50 steps)", "ckpt_sync": "checkpoint every 100 steps, sync",
+             "ckpt_async": "checkpoint every 100 steps, async", "preempt_agreement": "preemption agreement every 10 steps"}
+    for r in rows:
+        if r["feature_cost"]:
+            lines += ["", f"Each feature's own cost at {r['world']} ranks (median of per-round ratios to everything off, minus 1):", "",
+                      "| feature | cost | per round |", "|---|---|---|"]
+            for f, cost in r["feature_cost"].items():
+                per = r["feature_cost_rounds"][f]
+                lines.append(f"| {names[f]} | {cost * 100:+.1f}% | {min(per) * 100:+.1f}%..{max(per) * 100:+.1f}% |")
+    lines += ["", "Per-round figures: `bench/results.json`. The boundary's own work in microseconds per step, part",
+              "by part: `bench/step_overhead.py` (below).", END]
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + "\n".join(lines) + rest.split(END, 1)[1]
+    else:  # the old first table: from the title to the next section
+        first, _, rest = text.partition("\n## ")
+        text = first.split("\n", 1)[0] + "\n\n" + "\n".join(lines) + "\n\n## " + rest
+    path.write_text(text)
 
 
 if __name__ == "__main__":

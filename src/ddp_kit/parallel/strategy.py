@@ -57,7 +57,9 @@ class Strategy:
         raise NotImplementedError(self.name)
 
     def accumulate(self, model: Any, sync: bool) -> AbstractContextManager:
-        """Context for one micro-step: gradients are reduced only when `sync` (the last one)."""
+        """Context for one micro-step: gradients are reduced only when `sync` (the last one). With
+        `sync` it must change nothing (a step without accumulation): wrap.sync_gradients returns a
+        null context then without asking the strategy."""
         raise NotImplementedError(self.name)
 
     def state_dicts(self, models: dict[str, Any], optimizers: dict[str, Any]) -> dict[str, Any] | None:

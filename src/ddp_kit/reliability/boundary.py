@@ -233,7 +233,7 @@ class StepBoundary:
                 self.records.add_loss(value)
                 self.nonfinite.update(value, done)
             else:  # on the host a read waits for nothing: plain floats, no tensor ops per step
-                value = float(loss)
+                value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
                 self.records.add_loss(value)
                 self.nonfinite.update_host(value, done)
         if not p.warm:

@@ -28,9 +28,12 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
     if isinstance(obj, nn.Module):
         b.models.append(obj)
         b.modules.append(module if module is not None else unwrap(obj))
-        obj.register_forward_hook(lambda *_: b.timer.mark("forward"))
-        if isinstance(obj, DDP):
-            _time_ddp_forward(b, obj)
+        # The forward/backward split is read by the per-rank metrics only; a module hook costs every
+        # call a few microseconds (torch's slow call path), so without them there is none.
+        if b.policy.rank_metrics and b.policy.log_every > 0:
+            obj.register_forward_hook(lambda *_: b.timer.mark("forward"))
+            if isinstance(obj, DDP):
+                _time_ddp_forward(b, obj)
         base = "model"
     elif isinstance(obj, TrainLoader):
         b.loaders.append(obj)

@@ -31,26 +31,37 @@ def _channels_last(batch: Any) -> Any:
 
 def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss and metrics
-    as tensors. No `.item()` here: on CUDA that would wait for the GPU every step."""
+    as tensors. No `.item()` here: on CUDA that would wait for the GPU every step. With one
+    micro-batch nothing is divided or summed into a fresh zero (the same numbers, fewer ops), and a
+    disabled GradScaler is not called at all."""
     cfg, model, run = job.cfg, job.model, job.run
-    total = torch.zeros((), device=run.device)
+    n = len(micro_batches)
+    scaler = job.scaler if job.scaler.is_enabled() else None
+    total: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         batch = to_device(batch, run.device)
         if cfg.channels_last:
             batch = _channels_last(batch)
-        with run.accumulate(model, last=(i == len(micro_batches) - 1)):
+        with run.accumulate(model, last=(i == n - 1)):
             with autocast(cfg.amp, run.device):
                 loss, parts = split_loss(cfg.loss, job.loss_fn(model, batch))
-                loss = loss / len(micro_batches)
+                if n > 1:
+                    loss = loss / n
             if job.faults:
                 loss = loss * job.faults.loss_factor(run.steps_done + 1)
-            job.scaler.scale(loss).backward()
-        total += loss.detach().float()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        value = loss.detach().float()
+        total = value if total is None else total + value
         for k, v in parts.items():
-            metrics[k] = metrics.get(k, 0.0) + torch.as_tensor(v).detach().float() / len(micro_batches)
-    job.scaler.step(job.optimizer)
-    job.scaler.update()
+            part = torch.as_tensor(v).detach().float()
+            part = part / n if n > 1 else part
+            metrics[k] = metrics[k] + part if k in metrics else part
+    if scaler is not None:
+        scaler.step(job.optimizer)
+        scaler.update()
+    else:
+        job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return total, metrics
