@@ -16,6 +16,19 @@ from pathlib import Path
 AVAILABLE = os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("unshare"))
 
 
+def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[str]:
+    """Each process's combined output once it ends; one that outlives `timeout` is killed with its
+    process group (ours: started with start_new_session) and says so in its output."""
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            outs.append(p.communicate()[0] + "\n[killed by the test: timed out]")
+    return outs
+
+
 def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 

@@ -39,17 +39,6 @@ def start(host: netns.Host, argv: list[str], env: dict) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[str]:
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            outs.append(p.communicate()[0] + "\n[killed by the test: timed out]")
-    return outs
-
-
 def pytorchjob_env(rank: int) -> dict:
     return {"MASTER_ADDR": f"{JOB}-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": str(rank)}
 
@@ -67,7 +56,7 @@ def test_trainer_v2_torchrun_per_pod_trains_the_same_weights(tmp_path, reference
                         "PET_MASTER_ADDR": f"{JOB}-node-0-0.{JOB}", "PET_MASTER_PORT": "29500",
                         "JOB_COMPLETION_INDEX": str(i)})
                  for i, pod in enumerate(pods)]
-        outs = finish(procs)
+        outs = netns.finish(procs)
     assert all(p.returncode == 0 for p in procs), show(procs, outs)
     assert read_json(tmp_path / "summary.json")["param_sha256"] == ref["param_sha256"]
     line = next(ln for ln in outs[0].splitlines() if "rank(s) (" in ln)
@@ -99,7 +88,7 @@ def test_pytorchjob_one_process_per_pod_waits_for_a_master_name_that_appears_lat
         worker.hosts_file.write_text(full)
         master_proc = start(master, [*TRAIN, "--run_dir", str(tmp_path)], pytorchjob_env(0))
         procs = [master_proc, worker_proc]
-        outs = finish([master_proc])
+        outs = netns.finish([master_proc])
         worker_proc.wait(timeout=120)
         reader.join(timeout=10)
         outs.append("".join(lines))
@@ -113,7 +102,7 @@ def test_a_master_name_that_never_resolves_is_one_line_at_init_timeout(tmp_path)
     with netns.hosts([f"{JOB}-worker-0"], subnet="10.232.2") as (worker,):
         t0 = time.monotonic()
         procs = [start(worker, [*TRAIN, "--run_dir", str(tmp_path), "--init_timeout_s", "6"], pytorchjob_env(1))]
-        outs = finish(procs, timeout=120)
+        outs = netns.finish(procs, timeout=120)
         took = time.monotonic() - t0
     assert procs[0].returncode == 2, show(procs, outs)
     errors = [ln for ln in outs[0].splitlines() if ln.startswith("ddp_kit: error:")]
@@ -144,7 +133,7 @@ def test_eviction_sigterm_checkpoints_exits_75_and_restarted_pods_resume_bit_ide
         killer = threading.Timer(grace, lambda: [os.killpg(p.pid, signal.SIGKILL) for p in procs if p.poll() is None])
         killer.start()
         try:
-            outs = finish(procs, timeout=grace + 30)
+            outs = netns.finish(procs, timeout=grace + 30)
         finally:
             killer.cancel()
         took = time.monotonic() - sigterm
@@ -156,7 +145,7 @@ def test_eviction_sigterm_checkpoints_exits_75_and_restarted_pods_resume_bit_ide
         assert saves and all(0 < r["commit_s"] < grace for r in saves), saves
         restarted = [start(pod, [*TRAIN, "--run_dir", str(tmp_path)], {**pytorchjob_env(i), **env})
                      for i, pod in enumerate(pods)]
-        outs = finish(restarted)
+        outs = netns.finish(restarted)
     assert all(p.returncode == 0 for p in restarted), show(restarted, outs)
     assert "resumed from" in outs[0]
     assert read_json(tmp_path / "summary.json")["param_sha256"] == ref["param_sha256"]

@@ -3,8 +3,6 @@
 hostname; launch/torchrun.sh runs on both with c10d rendezvous on nodea. Namespaces are removed after."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 
@@ -37,13 +35,7 @@ def test_two_hosts_c10d_rendezvous(hosts, tmp_path, reference_summary):
     for attempt in range(2):  # measured: ~1 in 30 such runs fails to rendezvous; one retry
         run_dir = tmp_path / f"run{attempt}"
         procs = [launch_node(hosts[h], run_dir) for h in ("nodea", "nodeb")]
-        outs = []
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=150)[0])
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                outs.append(p.communicate()[0])
+        outs = netns.finish(procs, timeout=150)
         if all(p.returncode == 0 for p in procs):
             break
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(o[-3000:] for o in outs)

@@ -266,13 +266,7 @@ def launch_on(host: netns.Host, disk: Path, run_dir: Path, args: list[str], env:
 
 def run_two_hosts(hosts, tmp_path: Path, name: str, args: list[str], env: dict) -> tuple[list[int], list[str]]:
     procs = [launch_on(h, tmp_path / f"disk_{h.name}_{name}", tmp_path / f"run_{name}", args, env) for h in hosts]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=150)[0])
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            outs.append(p.communicate()[0])
+    outs = netns.finish(procs, timeout=150)
     return [p.returncode for p in procs], outs
 
 
