@@ -8,9 +8,9 @@ from ddp_kit.parallel.strategy import NAMES, every_strategy, strategy, strategy_
 
 
 def test_registry_names_each_strategy_by_the_name_meta_json_writes():
-    assert NAMES == ("ddp", "fsdp")
+    assert NAMES == ("ddp", "fsdp", "ft")
     assert [s.name for s in every_strategy()] == list(NAMES)
-    assert (strategy("ddp").sharded, strategy("fsdp").sharded) == (False, True)
+    assert (strategy("ddp").sharded, strategy("fsdp").sharded, strategy("ft").sharded) == (False, True, False)
 
 
 def test_unknown_strategy_is_one_line_naming_the_known_ones():

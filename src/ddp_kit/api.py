@@ -56,6 +56,7 @@ from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
 from .parallel.strategy import strategy as find_strategy
 from .parallel.strategy import strategy_of
 from .parallel.wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
+from .reliability import replica_steps
 from .reliability.boundary import StepBoundary
 from .reliability.eval_pass import EvalLoader
 from .reliability.excepthook import Failures
@@ -65,7 +66,7 @@ from .reliability.progress import Progress
 from .reliability.run_dir_checks import hang_folder
 from .reliability.sync_checks import in_main_only, main_only
 from .resources import loader_workers
-from .run_options import config_as_json, policy_from_options
+from .run_options import config_as_json, per_replica_group, policy_from_options
 
 
 class Run:
@@ -92,11 +93,18 @@ class Run:
 
     run_dir = property(lambda self: self._boundary.rd.path if self._boundary.rd else None)
 
+    @property
+    def data_place(self) -> tuple[int, int]:
+        """(shard, shards) this rank's training data is: its rank among every rank of every replica
+        group of a fault-tolerant run (env.replica_groups), else (rank, world_size)."""
+        env = self.ctx.env
+        return env.replica_group * self.world_size + self.rank, env.replica_groups * self.world_size
+
     def micro_batch(self, batch_size: int, grad_accum: int = 1) -> int:
         """The samples one rank loads per forward pass for a GLOBAL `batch_size` split over this run's
         ranks and `grad_accum` micro-steps; a batch that does not split evenly is refused (UserError).
         Before init (no Run yet) `ddp_kit.data.per_rank_batch(batch_size, world_size, grad_accum)`."""
-        return per_rank_batch(batch_size, self.world_size, grad_accum)
+        return per_rank_batch(batch_size, self.data_place[1], grad_accum)
 
     @property
     def loader_workers(self) -> int:
@@ -124,15 +132,21 @@ class Run:
         the models and the optimizers over their parameters are then sharded (DCP): create the
         optimizer from the model this returns."""
         chosen = find_strategy(strategy)
-        if chosen.sharded and any(isinstance(o, nn.Module) for o in objs):
+        models = any(isinstance(o, nn.Module) for o in objs)
+        if chosen.sharded and models:
             if self._uneven_eval:
                 raise UserError("run.eval_loader was called before run.prepare(model, strategy='fsdp'): its batches "
                                 "were split for DDP, and under FSDP ranks with fewer eval batches would leave the "
                                 "others waiting in an all-gather", "call run.prepare on the model first, then "
                                 "run.eval_loader")
+        if models:
             self._boundary.strategy = chosen
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
+        for o in out:  # strategy ft: the model's replica group member joins the step boundary
+            replica = chosen.replica(o) if isinstance(o, nn.Module) else None
+            if replica is not None and self._boundary.replica is None:
+                replica_steps.attach(self._boundary, replica)
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._boundary.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)
@@ -183,7 +197,8 @@ class Run:
         skipped each epoch, which rank 0 points out unless the loader has drop_last=True.
         """
         dataset, shuffle, seed = loader_sampling(loader, self.seed)
-        batch = loader.batch_size * (1 if self.split_batches else self.world_size)
+        shard, shards = self.data_place
+        batch = loader.batch_size * (1 if self.split_batches else shards)
         self.micro_batch(batch, grad_accum)  # an error that stops the run comes first, alone
         tail = len(dataset) % batch
         if tail and not loader.drop_last and self.is_main and len(dataset) >= batch:
@@ -191,7 +206,7 @@ class Run:
             print(f"ddp_kit: note: {tail} of {len(dataset)} samples do not fill a whole global batch of {batch} and are "
                   f"skipped ({which}); pass drop_last=True to the DataLoader to say that is intended",
                   file=sys.stderr, flush=True)
-        return TrainLoader(dataset, global_batch=batch, world_size=self.world_size, rank=self.rank,
+        return TrainLoader(dataset, global_batch=batch, world_size=shards, rank=shard,
                            grad_accum=grad_accum, shuffle=shuffle, seed=seed, num_workers=loader.num_workers,
                            pin_memory=self.device.type == "cuda" and not device_data, collate_fn=loader.collate_fn,
                            worker_init_fn=loader.worker_init_fn, resident=self.device if device_data else None)
@@ -265,9 +280,12 @@ class Run:
         Between two epochs (after your end-of-epoch work, before the next epoch's first line) it
         runs the step boundary still due, so a checkpoint never falls between the two."""
         start, stop = (0, start_or_stop) if stop is None else (start_or_stop, stop)
-        for epoch in range(start + self.epoch, stop):
+        epoch = start + self.epoch
+        while epoch < stop:
             yield epoch
             self._boundary.flush()
+            # Read anew: a replica group that recovered live during the epoch is in its peer's epoch now.
+            epoch = max(epoch + 1, start + self.epoch)
 
     def heartbeat(self, phase: str = "eval") -> None:
         """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",
@@ -446,6 +464,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     # A process group that exists already (Ray Train's, your own init_process_group) is adopted by
     # distributed() below; a second ddp_kit.init() is refused there.
     policy = policy_from_options(run_dir, options, _keywords(Run.prepare) - {"objs"}, _keywords(init, own=True))
+    policy = per_replica_group(policy, env.replica_group, env.replica_groups)
     progress = Progress()
     box: list[StepBoundary] = []
     flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].saved_step if box else None)).install()

@@ -134,6 +134,7 @@ class TrainLoader:
         self.on_batch: Callable[[], None] | None = None
         self.on_end: Callable[[], None] | None = None
         self._uncounted = False  # the batch last handed out is not in `position` yet (see commit)
+        self._moves = 0  # load_state_dict calls: one during an epoch (a live recovery at a fetch) restarts it
         # Persistent workers keep their RNG across epochs, which is harmless here: every batch
         # reseeds it. The generator keeps DataLoader from drawing the workers' base seed from
         # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
@@ -165,25 +166,31 @@ class TrainLoader:
         # A batch handed out and never stepped on is not consumed: `next(iter(loader))` to peek at
         # the batch size (as the DDP tutorial's Trainer does) leaves the position where it was.
         self._uncounted = False
-        self.sampler.set_position(self.epoch, self.position)
-        left = self.left()
-        if left == 0:
-            self.epoch, self.position = self.epoch + 1, 0
-            return
-        batches = iter(self._loader) if self._tensors is None else self._resident_batches()
-        for i in range(left):
-            if i:
-                self.commit()
-                if self.on_fetch is not None:
-                    self.on_fetch()
-            try:
-                batch = next(batches)
-            except StopIteration:
+        moved = True
+        while moved:  # once, unless the fetch hook moved the position (a replica group's live recovery, parallel/ft.py)
+            moved, moves = False, self._moves
+            self.sampler.set_position(self.epoch, self.position)
+            left = self.left()
+            if left == 0:
+                self.epoch, self.position = self.epoch + 1, 0
                 return
-            if self.on_batch is not None:
-                self.on_batch()
-            self._uncounted = True
-            yield batch
+            batches = iter(self._loader) if self._tensors is None else self._resident_batches()
+            for i in range(left):
+                if i:
+                    self.commit()
+                    if self.on_fetch is not None:
+                        self.on_fetch()
+                    if self._moves != moves:
+                        moved = True  # continue from the new position, in its epoch
+                        break
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                if self.on_batch is not None:
+                    self.on_batch()
+                self._uncounted = True
+                yield batch
         self.commit()
         if self.on_end is not None:
             self.on_end()
@@ -234,6 +241,7 @@ class TrainLoader:
         """Restore the position; returns a one-line note when exact continuation is impossible."""
         self.epoch = int(state["epoch"])
         self._uncounted = False
+        self._moves += 1
         position = int(state["position"])
         note = None
         if int(state.get("seed", self.sampler.seed)) != self.sampler.seed:

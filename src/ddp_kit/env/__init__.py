@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from . import env_vars, grace, kubeflow_trainer, pod, pytorchjob, ray_train, single, slurm, torchrun, volcano
+from . import env_vars, grace, kubeflow_trainer, pod, pytorchjob, ray_train, replicas, single, slurm, torchrun, volcano
 from .base import DistEnv, check_place
 from .polling import STORE_OPS_PER_S, poll_period
 from .slurm import expand_nodelist, requeue_target, slurm_port
@@ -39,8 +39,9 @@ LAUNCHERS = (ray_train, torchrun, kubeflow_trainer, volcano, pytorchjob, env_var
 
 # What may surround any launcher, each adding its facts (`around`): the SLURM allocation, the
 # Kubernetes operator that made the pod (the named operators before the plain pod, which names only
-# what none of them named), and the grace period the templates state.
-SCHEDULERS = (slurm, kubeflow_trainer, volcano, pytorchjob, pod, grace)
+# what none of them named), the grace period the templates state, and the replica group of a
+# fault-tolerant launch.
+SCHEDULERS = (slurm, kubeflow_trainer, volcano, pytorchjob, pod, grace, replicas)
 
 TORCHRUN, ENV, SLURM, SINGLE = torchrun.NAME, env_vars.NAME, slurm.NAME, single.NAME
 _BY_NAME = {launcher.NAME: launcher for launcher in LAUNCHERS}

@@ -66,6 +66,12 @@ class DistEnv:
     # The engine restarts failed or preempted workers itself (a Kubernetes operator's restart policy,
     # Ray's FailureConfig): an exit 75 is mapped by its policy, not by a requeue command.
     restarted_by_engine: bool = False
+    # ---- replica groups of a fault-tolerant run (env/replicas.py; strategy "ft") ----
+    # This launch is replica group `replica_group` of `replica_groups`; its ranks are the process
+    # group, and the groups meet through torchft's lighthouse at `lighthouse` (http://host:port).
+    replica_group: int = 0
+    replica_groups: int = 1
+    lighthouse: str | None = None
     # One-line warnings detection found (e.g. a command typed into the shell of `srun --pty bash`),
     # for the caller to print once, by rank 0.
     notes: tuple[str, ...] = ()

@@ -1,9 +1,11 @@
-"""`python -m ddp_kit.launch slurm|k8s ... -- <train args>`: render a launch template and submit it.
+"""`python -m ddp_kit.launch slurm|k8s|ft ... -- <train args>`: render a launch template and submit it,
+or (ft) run a fault-tolerant job's lighthouse and replica groups on this machine (ft.py).
 
     python -m ddp_kit.launch slurm --nodes 2 --gpus_per_node 4 -- configs/cifar10_resnet18.yaml --epochs 3
     python -m ddp_kit.launch slurm --layout torchrun --nodes 2 --nproc_per_node 2 --dry_run -- --run_dir runs/x
     python -m ddp_kit.launch k8s --engine trainjob --nodes 2 --gpus_per_node 4 --image IMG --pvc ckpt \\
         --run_dir /mnt/ckpt/run --name mnist --dry_run -- configs/mnist_mlp.yaml
+    python -m ddp_kit.launch ft --groups 2 --nproc_per_node 2 -- --run_dir runs/ft --max_steps 200
 
 The rendered file is the packaged template (slurm.py: an sbatch script; k8s.py: a Kubernetes manifest) with the
 flags and the training arguments embedded, so it can be read, kept and resubmitted as is. --dry_run prints it.
@@ -19,9 +21,10 @@ __all__ = ["LAYOUTS", "render", "slurm", "template_path", "main"]
 
 
 def _commands():
+    from .ft import ft
     from .k8s import k8s  # imported on use: the SLURM path does not need the Kubernetes templates
 
-    return {"slurm": ("ddp_kit.launch slurm", slurm), "k8s": ("ddp_kit.launch k8s", k8s)}
+    return {"slurm": ("ddp_kit.launch slurm", slurm), "k8s": ("ddp_kit.launch k8s", k8s), "ft": ("ddp_kit.launch ft", ft)}
 
 
 def main() -> None:

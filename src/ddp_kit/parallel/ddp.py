@@ -59,6 +59,9 @@ class DDPStrategy(Strategy):
     def holds(self, model: nn.Module) -> bool:
         return unwrap_ddp(model) is not None
 
+    def settle(self, model: nn.Module, batch: Any, device: Any) -> None:
+        settle_ddp_buckets(model, batch, device)
+
     def accumulate(self, model: nn.Module, sync: bool):
         inner = unwrap_ddp(model)
         if sync or inner is None:

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import UserError
 
 # name -> the module that defines it as STRATEGY; the first is the default
-STRATEGIES: dict[str, str] = {"ddp": "ddp_kit.parallel.ddp", "fsdp": "ddp_kit.parallel.fsdp"}
+STRATEGIES: dict[str, str] = {"ddp": "ddp_kit.parallel.ddp", "fsdp": "ddp_kit.parallel.fsdp", "ft": "ddp_kit.parallel.ft"}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 DEFAULT = NAMES[0]
 UNRECORDED = "ddp"  # the strategy of a checkpoint whose meta.json names none (written before there was a choice)
@@ -70,6 +70,14 @@ class Strategy:
                          read: Callable[[dict], None]) -> None:
         """Fill the models and optimizers from a DCP checkpoint (only a sharded strategy has one)."""
 
+    def settle(self, model: Any, batch: Any, device: Any) -> None:
+        """After a resume, before the first step: whatever the wrapper must redo to continue exactly
+        as the uninterrupted run (DDP: its rebuilt gradient buckets)."""
+
+    def replica(self, model: Any) -> Any | None:
+        """The replica-group member of a fault-tolerant strategy's model (ft.Replica); None elsewhere."""
+        return None
+
 
 def strategy(name: str) -> Strategy:
     """The strategy called `name`; an unknown name is one line naming the known ones."""
@@ -83,8 +91,9 @@ def every_strategy() -> list[Strategy]:
 
 
 def strategy_of(model: Any) -> Strategy | None:
-    """The strategy that wrapped `model`, or None for a plain module."""
-    return next((s for s in every_strategy() if s.holds(model)), None)
+    """The strategy that wrapped `model`, or None for a plain module. Later entries are asked first:
+    they refine earlier ones (ft's wrapper is a DDP too)."""
+    return next((s for s in reversed(every_strategy()) if s.holds(model)), None)
 
 
 def others(name: str) -> list[Strategy]:

@@ -41,7 +41,7 @@ from ..dist import DistContext
 from ..errors import UserError
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy
-from . import agreement, attempts, grace, registration, resume, saving, stopping
+from . import agreement, attempts, grace, registration, replica_steps, resume, saving, stopping
 from .checkpoint_io import open_checkpointer
 from .crash import handle
 from .lifecycle import RunResources, watch_store
@@ -79,6 +79,9 @@ class StepBoundary:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.meta: dict[str, Any] = {}
         self.strategy: Strategy = strategy(DEFAULT)  # run.prepare sets the one it wrapped the models with
+        # This rank's member of a replica group's quorum (strategy "ft"; replica_steps.py), else None.
+        self.replica: Any = None
+        self.replica_seen: dict[str, Any] = {}
         self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
         self.cuda_notes: Callable[[BaseException], list[str]] | None = None
         self.memory: dict[str, int] = {}  # this rank's parameter/gradient/optimizer bytes (fsdp.memory_bytes)
@@ -133,6 +136,8 @@ class StepBoundary:
             if not self.failed:  # after a failure, the failure is what gets reported
                 raise
         finally:
+            if self.replica is not None:
+                self.replica.shutdown()
             self.resources.close()
             # Let go of the model, optimizer and loaders before the process group is destroyed: a
             # DDP reducer still alive then can abort the process at exit (pytorch#190489; the
@@ -178,6 +183,8 @@ class StepBoundary:
 
     def fetching(self) -> None:
         self.flush()
+        if self.replica is not None:
+            replica_steps.begin(self)  # this step's quorum; a group behind recovers here, before its batch
         self.progress.enter("data", self.done + 1)
         self.timer.mark("other")
 
@@ -220,7 +227,12 @@ class StepBoundary:
         self.explicit = self.explicit or not implicit
         for loader in self.loaders:
             loader.commit()  # the batches this step used are consumed: the position a checkpoint keeps
+        if self.replica is not None and not replica_steps.counted(self):
+            self.progress.enter("after step", self.done + 1)
+            return self.done  # discarded by the quorum: not a step (its batches stay consumed)
         self.done += 1
+        if self.replica is not None:
+            replica_steps.after_step(self)
         done, p, pol = self.done, self.progress, self.policy
         self.progress.enter("after step", done)
         # Since the optimizer step: the loop's own work (local). Without a registered optimizer, all of
@@ -334,7 +346,7 @@ class StepBoundary:
         self.records.write(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        self.records.write_summary(summary)
+        self.records.write_summary({**summary, **replica_steps.summary(self)})
 
     @property
     def on_log(self) -> list[Callable[[dict], None]]:

@@ -43,6 +43,8 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
         b.optimizers.append(obj)
         obj.register_step_pre_hook(b.stepping)  # backward and DDP's wait end here
         obj.register_step_post_hook(b.stepped)
+        if b.replica is not None:  # strategy ft: the step runs only if the quorum commits it
+            b.replica.gate(obj)
         base = "optimizer"
     else:
         base = type(obj).__name__.lower()

@@ -10,8 +10,8 @@ import torch
 
 from ..checkpoint.checkpointer import set_rng_state
 from ..errors import UserError
-from ..parallel.ddp import settle_ddp_buckets
 from ..parallel.strategy import UNRECORDED
+from . import replica_steps
 from .checkpoint_io import archive_lineage
 from .recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 
@@ -27,9 +27,13 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
     b.check_optimizers()
     ckpt = b.checkpointer()
     b.progress.enter("startup")
-    found = ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
+    # A replica group that restarts while others train (strategy ft) takes their state live instead.
+    live = b.replica is not None and replica_steps.join(b)
+    found = None if live else ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
     if found is not None:
         _restore(b, ckpt, found, check)
+        if b.replica is not None:
+            replica_steps.resumed_from_disk(b)
     if b.ctx.is_main and b.rd is not None:
         archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
     if b.policy.ckpt_every == 0 and b.rd is not None:
@@ -67,8 +71,8 @@ def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | N
     b.records.restart_window(b.done)  # samples/s counts this process's steps only
     b.progress.enter("startup", b.done)
     if b.ctx.world_size > 1 and b.loaders:
-        for model in b.models:  # see ddp.settle_ddp_buckets: bit-identical resume needs it
-            settle_ddp_buckets(model, b.loaders[0].sample_batch(), b.ctx.device)
+        for model in b.models:  # e.g. ddp.settle_ddp_buckets: bit-identical resume needs it
+            b.strategy.settle(model, b.loaders[0].sample_batch(), b.ctx.device)
     if own is not None and meta.get("world_size") == b.ctx.world_size:
         set_rng_state(own["rng"])
     else:

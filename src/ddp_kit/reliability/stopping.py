@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..collectives import barrier
-from . import grace
+from . import grace, replica_steps
 from .preemption import agree_stop, exit_code, requeue
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
@@ -22,6 +22,7 @@ def stop_if_signalled(b: Boundary) -> bool:
            and time.monotonic() - b.last_save_t >= b.policy.ckpt_every_s)
     with b.collective("preemption check"):
         signum, due = agree_stop(b.ctx, b.flag, due)
+        signum = replica_steps.agree_stop(b, signum)  # every replica group stops after the same step
     if signum:
         stop(b, signum)
     return due

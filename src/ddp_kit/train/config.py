@@ -54,7 +54,7 @@ class TrainConfig:
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
     backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
-    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) or fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints). See README 'Choosing a strategy'.", STRATEGY_NAMES)
+    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) , fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints) or ft (fault-tolerant DDP on torchft: replica groups that survive a lost group; launch with python -m ddp_kit.launch ft). See README 'Choosing a strategy'.", STRATEGY_NAMES)
     fsdp_blocks: str = _f("", "fsdp: comma-separated module class names that each become one FSDP unit (e.g. Block). Empty: each child of an nn.ModuleList, else each direct child with parameters.")
     fsdp_cpu_offload: bool = _f(False, "fsdp, CUDA only: keep the sharded parameters, gradients and optimizer state in host memory (the optimizer step runs on the CPU).")
     fsdp_reshard_after_forward: bool = _f(True, "fsdp: free each unit's gathered weights after its forward (gathered again for the backward); false keeps them (more memory, less communication).")

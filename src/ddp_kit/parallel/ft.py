@@ -1,0 +1,276 @@
+"""The fault-tolerant strategy "ft": DDP inside a replica group, torchft between the groups.
+
+Each replica group is a launch of its own (env/replicas.py): its ranks are the process group and
+all-reduce gradients over it as DDP does; then torchft's manager averages them across the replica
+groups of the current quorum. When a group dies, the others discard at most the step under way and
+go on with the groups left (the lighthouse drops the dead one after its heartbeat timeout); when it
+comes back, it joins the next quorum and receives the weights, optimizer state, data position and
+step count live from a peer (torchft's HTTP transport), with no checkpoint read.
+
+One step of a replica, driven by the step boundary (reliability/replica_steps.py):
+
+    the loader's fetch     `begin_step`: a quorum (synchronous, so a recovering group is healed
+                           before it draws its batch, and its step counts with the others')
+    backward               DDP's comm hook: all-reduce in the group, then across groups (torchft)
+    optimizer.step()       gated: runs only if every rank of every group in the quorum succeeded
+                           (`should_commit`); otherwise the step is discarded on every rank of the group
+
+DDP's buckets are never rebuilt (find_unused_parameters), as torchft requires: a group that
+restarts must lay its gradients out as the running ones do. Tested with torchft-nightly
+2026.10.26 and torch 2.14.1 (the `ft` extra pins it): torchft 0.2.0 crashes in its comm hook after
+a lost replica.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..errors import UserError
+from .ddp import unwrap_ddp
+from .strategy import Strategy
+
+INSTALL = "pip install 'ddp_kit[ft]' (torchft-nightly==2026.10.26)"
+# torchft's Rust side logs every quorum and commit at INFO on stderr: several lines per step.
+QUIET_RUST = ("RUST_LOG", "warn")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds; the defaults suit loopback and a LAN (docs: README "Fault-tolerant training")."""
+
+    collective_s: float = 10.0  # a cross-group all-reduce, should_commit, the live recovery's transfer
+    quorum_s: float = 60.0  # one quorum: longer than a step, or groups split into two quorums
+    connect_s: float = 10.0  # the lighthouse and the group's manager server
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Timeouts:
+        read = lambda key, default: float(environ.get(key, "") or default)
+        return cls(read("DDP_KIT_FT_TIMEOUT_S", cls.collective_s), read("DDP_KIT_FT_QUORUM_TIMEOUT_S", cls.quorum_s),
+                   read("DDP_KIT_FT_CONNECT_TIMEOUT_S", cls.connect_s))
+
+
+@dataclass
+class Replica:
+    """This rank's member of the torchft quorum and what the step boundary asks of it. One per
+    process, made by the strategy's wrap; the counters are what metrics.jsonl reports."""
+
+    manager: Any
+    group: int
+    groups: int
+    group_size: int
+    in_step: bool = False  # a quorum was formed for the step under way
+    decision: bool | None = None  # this step's should_commit, once asked
+    joined: bool = False
+    participants: int = 0  # replica groups in the current quorum
+    discarded: int = 0  # steps this group ran and threw away (total)
+    quorum_s: float = 0.0  # seconds spent forming quorums since the last take_window
+    pause_s: float = 0.0  # seconds the steps waited beyond the usual since the last take (replica_steps.counted)
+    recoveries: list[dict] = field(default_factory=list)  # live recoveries of this group: step, seconds, source
+    events: list[dict] = field(default_factory=list)  # for metrics.jsonl, taken by the boundary
+    gated: list[Any] = field(default_factory=list)  # the optimizers whose step waits for the commit decision
+    # The boundary's live state (the registered objects and counters) for a recovering peer, and
+    # how to take one in: set by reliability/replica_steps.py.
+    state_fn: Callable[[], dict] | None = None
+    load_fn: Callable[[dict], None] | None = None
+    _healing_since: float | None = None
+
+    # ---- the quorum -------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Form this step's quorum (once per step). A group that is behind is healed in here."""
+        if self.in_step:
+            return
+        self.in_step, self.decision = True, None
+        started = time.monotonic()
+        self._healing_since = started
+        self.manager.start_quorum()
+        took = time.monotonic() - started
+        self.quorum_s += took
+        before, self.participants = self.participants, self.manager.num_participants()
+        if before and self.participants != before:
+            self.events.append({"event": "quorum", "participants": self.participants, "was": before,
+                                "quorum_s": round(took, 3)})
+
+    def commit(self) -> bool:
+        """This step counts (every rank of every group in the quorum got through it): asked once per
+        step, whatever the number of optimizers."""
+        if self.decision is None:
+            if not self.in_step:  # an optimizer step with no forward through the model: nothing to agree on
+                self.begin_step()
+            self.decision = bool(self.manager.should_commit())
+            if not self.decision:
+                self.discarded += 1
+        return self.decision
+
+    def end_step(self) -> bool:
+        """The step boundary: whether the step that just ended counts. The next one forms a new quorum."""
+        counted = self.commit() if self.in_step else True
+        self.in_step, self.decision = False, None
+        return counted
+
+    def step(self) -> int:
+        """Optimizer steps committed by the quorum (a recovered group's count is its peer's)."""
+        return int(self.manager.current_step())
+
+    def set_step(self, step: int) -> None:
+        """After a resume from a durable checkpoint: the quorum compares this count to heal the groups behind."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.group_size * self.groups})
+
+    # ---- live recovery -----------------------------------------------------------------------------
+
+    def _state_dict(self) -> dict:
+        return {"ddp_kit": self.state_fn() if self.state_fn else {}, "group": self.group}
+
+    def _load_state_dict(self, state: dict) -> None:
+        if self.load_fn is not None:
+            self.load_fn(state["ddp_kit"])
+        took = time.monotonic() - (self._healing_since or time.monotonic())
+        self.recoveries.append({"source_group": state.get("group"), "seconds": round(took, 3)})
+
+    # ---- across groups -----------------------------------------------------------------------------
+
+    def agree_max(self, *values: int) -> list[int]:
+        """The largest of each value over the groups of the current quorum (collective across them, at
+        the same step); this group's own when a group is lost on the way (that step is discarded anyway)."""
+        if self.groups == 1:
+            return list(values)
+        t = torch.tensor([float(v) for v in values])
+        work = self.manager.allreduce(t, reduce_op=tdist.ReduceOp.MAX)
+        if not work.wait() or self.manager.errored():
+            return list(values)
+        return [max(v, int(x)) for v, x in zip(values, t.tolist())]
+
+    def gate(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step() runs only when the quorum commits this step (the call a script makes is
+        unchanged: the instance's step is replaced, torch's hooks run inside the original)."""
+        if any(o is optimizer for o in self.gated):
+            return
+        original = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, **kwargs) if self.commit() else None
+        # An LR scheduler made before this wrapped the step to see it called; keep its mark, or it warns
+        # that the step was replaced (it still sees every committed step through the original).
+        if getattr(original, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True
+        optimizer.step = step
+        self.gated.append(optimizer)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _comm_hook(replica: Replica, group: Any) -> Callable:
+    """The group's mean (DDP's all-reduce over the group's ranks), then the mean across replica groups."""
+    size = replica.group_size
+
+    # No annotations: DDP checks a hook's by value, and this module's are strings (__future__).
+    def hook(_state, bucket):
+        buf = bucket.buffer()
+        if size > 1:
+            tdist.all_reduce(buf, group=group)
+            buf.div_(size)
+        work = replica.manager.allreduce(buf)
+        # A failed all-reduce (a group was lost) is not an error here: the manager knows, and the
+        # commit decision discards this step; raising would end this healthy group too.
+        if not work.wait():
+            return _done(buf)
+        fut = work.get_future()
+        inner = getattr(fut, "_fut", None)  # torchft's managed future wraps the one DDP must wait on
+        return inner if inner is not None else fut
+    return hook
+
+
+def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+def _manager(ctx: Any, timeouts: Timeouts, replica: Replica) -> Any:
+    try:
+        os.environ.setdefault(*QUIET_RUST)  # read once, when torchft's Rust side starts logging
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    except ImportError:
+        raise UserError("strategy 'ft' needs torchft, which is not installed", INSTALL) from None
+    env = ctx.env
+    if not env.lighthouse:
+        raise UserError("strategy 'ft' needs a lighthouse, and TORCHFT_LIGHTHOUSE is not set",
+                        "launch with python -m ddp_kit.launch ft --groups N ... (it starts one), or set "
+                        "TORCHFT_LIGHTHOUSE=http://host:29510 to a running torchft_lighthouse")
+    if not (env.master_addr and env.master_port):
+        raise UserError("strategy 'ft' needs its replica group's rendezvous store (MASTER_ADDR and MASTER_PORT), and "
+                        "this process has none", "launch each replica group with torchrun, or all of them with "
+                        "python -m ddp_kit.launch ft --groups N")
+    pg_timeout = timedelta(seconds=timeouts.collective_s)
+    pg = ProcessGroupNCCL(timeout=pg_timeout) if ctx.device.type == "cuda" else ProcessGroupGloo(timeout=pg_timeout)
+    try:
+        return Manager(pg=pg, min_replica_size=1, use_async_quorum=False,
+                       load_state_dict=replica._load_state_dict, state_dict=replica._state_dict,
+                       rank=ctx.rank, world_size=ctx.world_size,
+                       store_addr=env.master_addr, store_port=env.master_port,
+                       lighthouse_addr=env.lighthouse, replica_id=f"group{env.replica_group}",
+                       timeout=pg_timeout, quorum_timeout=timedelta(seconds=timeouts.quorum_s),
+                       connect_timeout=timedelta(seconds=timeouts.connect_s))
+    except Exception as exc:  # the lighthouse or the group's store cannot be reached: one line
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"replica group {env.replica_group} could not join the lighthouse at {env.lighthouse}: {first}",
+                        "check that python -m ddp_kit.launch ft (or torchft_lighthouse) is running and reachable "
+                        "from this node") from None
+
+
+@dataclass(frozen=True)
+class FaultTolerant(Strategy):
+    def check_options(self, *, sync_bn: bool, amp: str | None = None, cpu_offload: bool = False,
+                      device: Any = None, ddp: dict | None = None) -> None:
+        if cpu_offload:
+            raise UserError("cpu_offload is an FSDP option; this run's strategy is ft", "drop cpu_offload")
+        if sync_bn:
+            raise UserError("sync_bn does not combine with strategy ft: BatchNorm statistics would be synchronised "
+                            "within a replica group only", "drop sync_bn (each rank keeps its own statistics)")
+        if (ddp or {}).get("static_graph"):
+            raise UserError("static_graph does not combine with strategy ft: DDP would rebuild its buckets, and a "
+                            "restarted group's gradients would be laid out differently", "drop static_graph")
+
+    def wrap(self, model: nn.Module, ctx: Any, *, ddp: dict[str, Any] | None = None, **_: Any) -> nn.Module:
+        replica = Replica(manager=None, group=ctx.env.replica_group, groups=ctx.env.replica_groups,
+                          group_size=ctx.world_size)
+        replica.manager = _manager(ctx, Timeouts.from_environ(os.environ), replica)
+        model = model.to(ctx.device)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        options = {**(ddp or {}), "find_unused_parameters": True}  # buckets never rebuilt (module docstring)
+        options.pop("static_graph", None)
+        wrapped = DDP(model, device_ids=device_ids, **options)
+        wrapped.register_comm_hook(None, _comm_hook(replica, wrapped.process_group))
+        wrapped._ddp_kit_replica = replica
+        return wrapped
+
+    def holds(self, model: nn.Module) -> bool:
+        return replica_of(model) is not None
+
+    def accumulate(self, model: nn.Module, sync: bool):
+        return unwrap_ddp(model).no_sync()
+
+    def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {"ddp": {"bucket_cap_mb": values["bucket_cap_mb"]}}
+
+    def replica(self, model: nn.Module) -> Replica | None:
+        return replica_of(model)
+
+
+def replica_of(model: nn.Module) -> Replica | None:
+    inner = unwrap_ddp(model)
+    return getattr(inner, "_ddp_kit_replica", None) if inner is not None else None
+
+
+STRATEGY = FaultTolerant(name="ft", label="fault-tolerant DDP (torchft)", sharded=False,
+                         options=("bucket_cap_mb", "gradient_as_bucket_view"), config_keys=("bucket_cap_mb",))

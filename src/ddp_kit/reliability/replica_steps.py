@@ -1,0 +1,196 @@
+"""What the step boundary does differently when the ranks are one replica group among several
+(strategy "ft", parallel/ft.py): a rank is not a replica.
+
+- A rank that fails still ends its own group (fail-fast, the watchdog and peer loss work within
+  the group's process group, as always); the other groups go on, and its launcher restarts it.
+- Each step starts with a quorum (at the loader's fetch); a step the quorum does not commit is
+  discarded: the optimizer did not step, the step is not counted, and its batches are lost (not
+  redone: the loader has moved on, as torchft's own sampler does).
+- A restarted group recovers live: at `join` (before a checkpoint would be read) it takes a peer's
+  registered objects, data position and step count, and its first step is checked against the
+  others' weights.
+- A fresh start (every group at step 0) waits, up to the startup timeout, until every group has
+  joined, so that step 1 has every group, as an uninterrupted run and its resume both need.
+- A stop signal is agreed across the groups too, so that every group saves the same step.
+- metrics.jsonl gains participants, steps discarded, quorum and pause time per record, and one
+  event per quorum change, recovery and discarded step; summary.json the totals.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from .sync_checks import checksums
+
+# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
+Boundary = Any
+Replica = Any  # parallel.ft.Replica (not imported: torch's DDP and torchft stay out of the boundary's imports)
+
+WAIT_NOTE_S = 5.0  # a fresh start waiting this long for the other groups says so, once
+
+
+def attach(b: Boundary, replica: Replica) -> None:
+    """Make `replica` part of the boundary: its live state is the boundary's registered objects."""
+    b.replica = replica
+    replica.state_fn = lambda: {"objects": b.state.state_dict(), "done": b.done}
+    replica.load_fn = lambda state: _take_live_state(b, state)
+    b.on_log.append(lambda record: record.update(_window(b)))
+    for optimizer in b.optimizers:  # registered before the model was prepared
+        replica.gate(optimizer)
+    b.replica_seen = {"last_commit_t": None, "usual_s": None, "recovered_at": None, "check_next": False}
+
+
+def _take_live_state(b: Boundary, state: dict) -> None:
+    notes = b.state.load_state_dict(state["objects"], "a peer replica group's live state")
+    b.done = int(state["done"])
+    b.records.restart_window(b.done)
+    b.progress.enter(b.progress.phase, b.done)
+    for note in notes:
+        b.say(f"ddp_kit: warning: {note}")
+
+
+def join(b: Boundary) -> bool:
+    """Join the quorum before the first step. True: this group was behind a running peer and has
+    recovered its state live (no checkpoint is to be read)."""
+    r = b.replica
+    if r.joined:
+        return False
+    r.joined = True
+    if not r.gated:
+        raise UserError("strategy 'ft' decides at each step whether the optimizer step counts, and no optimizer is "
+                        "registered", "pass the optimizer to run.prepare(model, loader, optimizer) or "
+                        "run.resume(optimizer=optimizer)")
+    started, said = time.monotonic(), False
+    while True:
+        b.progress.enter("quorum", b.done)
+        r.begin_step()
+        if r.recoveries and r.step() > 0:
+            rec = r.recoveries[-1]
+            rec["step"] = b.done
+            b.say(f"ddp_kit: replica group {r.group} recovered live from group {rec['source_group']} at step "
+                  f"{b.done} in {rec['seconds']:.2f}s (no checkpoint read); {r.participants} of {r.groups} groups "
+                  f"train")
+            b.write({"event": "recovery", "step": b.done, **rec})
+            b.replica_seen["check_next"] = True
+            r.events.clear()
+            return True
+        waited = time.monotonic() - started
+        if r.participants >= r.groups or waited > b.ctx.timeout_s:
+            break
+        if not said and waited > WAIT_NOTE_S:
+            said = True
+            b.say(f"ddp_kit: waiting for the other replica groups at the lighthouse {b.ctx.env.lighthouse}: "
+                  f"{r.participants} of {r.groups} joined (up to {b.ctx.timeout_s:.0f}s, then the groups present start)")
+        r.in_step = False
+        time.sleep(0.2)
+    r.recoveries.clear()  # step 0's weight sync between fresh groups is not a recovery
+    r.events.clear()  # nor is the other groups' arrival
+    return False
+
+
+def resumed_from_disk(b: Boundary) -> None:
+    """A durable checkpoint was read: the quorum compares this step count (a group behind is healed
+    at the next quorum), which the first step forms anew."""
+    b.replica.set_step(b.done)
+    b.replica.in_step = False
+
+
+def begin(b: Boundary) -> None:
+    """At the loader's fetch: this step's quorum (and the join, for a script that never resumes)."""
+    r = b.replica
+    if not r.joined:
+        join(b)
+    if r.in_step:
+        return
+    b.progress.enter("quorum", b.done + 1)
+    seen = len(r.recoveries)
+    r.begin_step()
+    for rec in r.recoveries[seen:]:  # a group that fell behind while running (rare): healed at this quorum
+        rec["step"] = b.done
+        b.write({"event": "recovery", "step": b.done, **rec})
+        b.replica_seen["check_next"] = True
+    for event in r.events:
+        b.write({**event, "step": b.done + 1})
+    r.events.clear()
+
+
+def counted(b: Boundary) -> bool:
+    """At the boundary: whether the step that just ended counts (False: discarded by the quorum)."""
+    r = b.replica
+    if not r.in_step:  # a step that formed no quorum (an optimizer stepped without a fetch): asked now
+        r.begin_step()
+    ok = r.end_step()
+    seen, now = b.replica_seen, time.monotonic()
+    if not ok:
+        b.write({"event": "step_discarded", "step": b.done + 1, "participants": r.participants})
+        return False
+    last, usual = seen["last_commit_t"], seen["usual_s"]
+    if last is not None:
+        gap = now - last
+        if usual is not None and gap > 3 * usual + 0.05:
+            r.pause_s += gap - usual
+            b.write({"event": "replica_pause", "step": b.done + 1, "paused_s": round(gap - usual, 3),
+                     "participants": r.participants, "discarded_total": r.discarded})
+        seen["usual_s"] = gap if usual is None else min(gap, 0.8 * usual + 0.2 * gap)
+    seen["last_commit_t"] = now
+    return True
+
+
+def after_step(b: Boundary) -> None:
+    """After a counted step: the step count agrees with the quorum's."""
+    r = b.replica
+    if r.step() != b.done and not b.replica_seen.get("said_count"):
+        b.replica_seen["said_count"] = True
+        b.say(f"ddp_kit: warning: replica group {r.group} counts {b.done} steps and its quorum {r.step()}: a step "
+              f"was counted that the quorum discarded (or the reverse)")
+
+
+def _check_weights(b: Boundary) -> None:
+    r = b.replica
+    if not b.modules or r.groups == 1:
+        return
+    mine = checksums([(n, p) for n, p in b.modules[0].named_parameters()]).reshape(-1).cpu()
+    top = mine.clone()
+    low = -mine
+    ok_top = r.manager.allreduce(top, reduce_op=torch.distributed.ReduceOp.MAX).wait()
+    ok_low = r.manager.allreduce(low, reduce_op=torch.distributed.ReduceOp.MAX).wait()
+    if not (ok_top and ok_low) or r.manager.errored():
+        return  # a group was lost on the way: the next quorum starts over
+    equal = torch.equal(top, mine) and torch.equal(-low, mine)
+    b.write({"event": "replica_weights_checked", "step": b.done, "equal": equal, "participants": r.participants})
+    if not equal:
+        b.say(f"ddp_kit: warning: after a replica group joined at step {b.done}, the groups' weights differ "
+              f"(replica group {r.group}'s checksums are not every group's): the live recovery did not bring "
+              f"the same weights; stop the job and resume it from its last checkpoint")
+
+
+def agree_stop(b: Boundary, signum: int) -> int:
+    """A stop signal seen by any group stops every group after this same step. The same exchange
+    says whether a group recovered live since the last one: then every group compares weights (both
+    are collective across the groups of the quorum, at steps every group reaches: symmetric by design)."""
+    if b.replica is None:
+        return signum
+    signum, recovered = b.replica.agree_max(signum, int(b.replica_seen["check_next"]))
+    b.replica_seen["check_next"] = False
+    if recovered:
+        _check_weights(b)
+    return signum
+
+
+def _window(b: Boundary) -> dict[str, Any]:
+    r = b.replica
+    out = {"participants": r.participants, "steps_discarded": r.discarded, "quorum_s": round(r.quorum_s, 4),
+           "paused_s": round(r.pause_s, 3), "recoveries": len(r.recoveries)}
+    r.quorum_s = r.pause_s = 0.0
+    return out
+
+
+def summary(b: Boundary) -> dict[str, Any]:
+    r = b.replica
+    if r is None:
+        return {}
+    return {"replica_group": r.group, "replica_groups": r.groups, "steps_discarded": r.discarded,
+            "live_recoveries": list(r.recoveries)}
