@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -92,7 +93,8 @@ class Replica:
         self.in_step, self.decision = True, None
         started = time.monotonic()
         self._healing_since = started
-        self.manager.start_quorum()
+        with _manager_calls(self.group):
+            self.manager.start_quorum()
         took = time.monotonic() - started
         self.quorum_s += took
         before, self.participants = self.participants, self.manager.num_participants()
@@ -106,7 +108,8 @@ class Replica:
         if self.decision is None:
             if not self.in_step:  # an optimizer step with no forward through the model: nothing to agree on
                 self.begin_step()
-            self.decision = bool(self.manager.should_commit())
+            with _manager_calls(self.group):
+                self.decision = bool(self.manager.should_commit())
             if not self.decision:
                 self.discarded += 1
         return self.decision
@@ -167,6 +170,20 @@ class Replica:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+@contextmanager
+def _manager_calls(group: int):
+    """torchft's calls to this group's manager server (hosted by the group's rank 0): when it is gone,
+    its group rank 0 died, and the failure policy should name that rank rather than print an RPC error."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise RuntimeError(f"replica group {group}'s manager server on its rank 0 does not answer (remote process "
+                           f"exited?): {first}") from exc
 
 
 def _comm_hook(replica: Replica, group: Any) -> Callable:

@@ -1,0 +1,183 @@
+"""Fault-tolerant data parallelism (strategy ft) with real processes: `python -m ddp_kit.launch ft`
+starts torchft's lighthouse and one torchrun per replica group on loopback (gloo, CPU); the tests kill
+a group's worker by PID (a process of this test: found by the launcher's group token in its
+environment) and read what each group wrote (run_dir/replica_<g>/metrics.jsonl, summary.json)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, proc_env, read_json, run_cmd
+
+pytest.importorskip("torchft")
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SLOW = ["--inject", "slow:rank=0:step=1:ms=40"]  # a stable step time, so that a kill lands mid-run
+
+
+def launch(run_dir: Path, groups: int, nproc: int, *train: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ddp_kit.launch", "ft", "--groups", str(groups), "--nproc_per_node", str(nproc),
+           "--", "--run_dir", str(run_dir), *train]
+    return subprocess.Popen(cmd, cwd=ROOT, env=proc_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"timed out after {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
+
+
+def records(run_dir: Path, group: int) -> list[dict]:
+    path = run_dir / f"replica_{group}" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # the line being written
+            pass
+    return out
+
+
+def wait_step(run_dir: Path, group: int, step: int, p: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and p.poll() is None:
+        if any(r.get("event") == "train" and r["step"] >= step for r in records(run_dir, group)):
+            return
+        time.sleep(0.1)
+    out, err = (p.communicate() if p.poll() is not None else ("", ""))
+    pytest.fail(f"group {group} never reached step {step} (exit {p.poll()})\n{err[-4000:]}")
+
+
+def workers(launcher: subprocess.Popen, group: int) -> dict[int, int]:
+    """{group rank: pid} of the ddp_kit workers of `group`'s first start, by the launcher's token."""
+    token = f"DDP_KIT_FT_GROUP_TOKEN={launcher.pid}-{group}-0".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if token in env and cmd[1:3] == [b"-m", b"ddp_kit.train"]:  # the worker, not its rank shim (sh -c ...)
+            rank = next((int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"RANK=")), None)
+            if rank is not None:
+                found[rank] = int(entry.name)
+    return found
+
+
+def kill_worker(launcher: subprocess.Popen, group: int, rank: int) -> None:
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        pids = workers(launcher, group)
+        if rank in pids:
+            os.kill(pids[rank], signal.SIGKILL)
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no worker of group {group} rank {rank} found")
+
+
+def events(run_dir: Path, group: int, kind: str) -> list[dict]:
+    return [r for r in records(run_dir, group) if r.get("event") == kind]
+
+
+def check_survived_and_recovered(run_dir: Path, err: str, rc: int) -> None:
+    assert rc == 0, err[-5000:]
+    assert err.count("replica group 1 failed") == 1 and "replica group 0 failed" not in err, err[-5000:]
+    # the restarted group took the state live although it had checkpoints of its own (ckpt_every 5)
+    assert "replica group 1 recovered live from group 0" in err and "(no checkpoint read)" in err, err[-5000:]
+    assert "resumed from" not in err
+    assert list((run_dir / "replica_1" / "checkpoints").glob("step_*")), "group 1 had checkpoints it could have read"
+    rec = events(run_dir, 1, "recovery")
+    assert len(rec) == 1 and rec[0]["source_group"] == 0 and rec[0]["seconds"] < 30, rec
+    # the survivor: one quorum without group 1, at most one discarded step, never a step counted twice
+    lost = [e for e in events(run_dir, 0, "quorum") if e["participants"] < e["was"]]
+    assert lost, records(run_dir, 0)[-20:]
+    discarded = events(run_dir, 0, "step_discarded")
+    assert len(discarded) <= 1, discarded
+    steps = [r["step"] for r in events(run_dir, 0, "train")]
+    assert steps == sorted(set(steps)), steps
+    back = [e for e in events(run_dir, 0, "quorum") if e["participants"] > e["was"]]
+    assert back, "group 1 never rejoined the survivor's quorum"
+    checked = events(run_dir, 0, "replica_weights_checked") + events(run_dir, 1, "replica_weights_checked")
+    assert checked and all(c["equal"] for c in checked), checked
+    s0, s1 = read_json(run_dir / "replica_0" / "summary.json"), read_json(run_dir / "replica_1" / "summary.json")
+    assert s0["steps"] == s1["steps"] == 400
+    assert s0["param_sha256"] == s1["param_sha256"], (s0, s1)
+    print(f"survivor pauses: {events(run_dir, 0, 'replica_pause')}; recovery: {rec}")
+
+
+def test_a_lost_group_of_one_rank_does_not_stop_the_other_and_recovers_live(tmp_path):
+    run_dir = tmp_path / "run"
+    p = launch(run_dir, 2, 1, "--max_steps", "400", "--log_every", "5", "--ckpt_every", "5", *SLOW)
+    wait_step(run_dir, 1, 10, p)
+    kill_worker(p, group=1, rank=0)
+    out, err = finish(p)
+    check_survived_and_recovered(run_dir, out + err, p.returncode)
+
+
+def test_a_lost_rank_ends_its_own_group_of_two_which_recovers_live(tmp_path):
+    run_dir = tmp_path / "run"
+    p = launch(run_dir, 2, 2, "--max_steps", "400", "--log_every", "5", "--ckpt_every", "5", *SLOW)
+    wait_step(run_dir, 1, 10, p)
+    kill_worker(p, group=1, rank=1)  # not the group's rank 0: its rank 0 must stop too, and only its group
+    out, err = finish(p)
+    check_survived_and_recovered(run_dir, out + err, p.returncode)
+
+
+def test_sigterm_stops_every_group_at_one_step_and_the_rerun_is_bit_identical(tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = launch(ref_dir, 2, 1, "--max_steps", "120", "--log_every", "10")
+    _, err = finish(ref)
+    assert ref.returncode == 0, err[-4000:]
+    reference = read_json(ref_dir / "replica_0" / "summary.json")["param_sha256"]
+    assert read_json(ref_dir / "replica_1" / "summary.json")["param_sha256"] == reference
+
+    p = launch(run_dir, 2, 1, "--max_steps", "120", "--log_every", "10", *SLOW)
+    wait_step(run_dir, 1, 20, p)
+    os.kill(p.pid, signal.SIGTERM)  # the launcher we started: it forwards to every group
+    _, err = finish(p)
+    assert p.returncode == 75, err[-4000:]
+    stops = [line for line in err.splitlines() if "preempted by SIGTERM after step" in line]
+    assert len(stops) == 2 and len(set(stops)) == 1, stops  # both groups, the same step
+    step = int(stops[0].split("after step ")[1].split(":")[0])
+    assert step < 120
+    for g in (0, 1):
+        assert (run_dir / f"replica_{g}" / "checkpoints" / f"step_{step}").is_dir()
+
+    again = launch(run_dir, 2, 1, "--max_steps", "120", "--log_every", "10")
+    out, err = finish(again)
+    err = out + err
+    assert again.returncode == 0, err[-4000:]
+    assert err.count(f"(step {step}, epoch") == 2, err[-3000:]  # each group from its own checkpoint
+    for g in (0, 1):
+        assert read_json(run_dir / f"replica_{g}" / "summary.json")["param_sha256"] == reference
+
+
+def test_an_unreachable_lighthouse_is_one_line_at_startup():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    res = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                   "-m", "ddp_kit.train", "--strategy", "ft", "--max_steps", "5"],
+                  env={"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "DDP_KIT_REPLICA_GROUP": "0",
+                       "DDP_KIT_REPLICA_GROUPS": "2", "DDP_KIT_FT_CONNECT_TIMEOUT_S": "2"}, timeout=120)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("ddp_kit: error:")]
+    assert res.returncode != 0
+    assert len(errors) == 1 and f"could not join the lighthouse at http://127.0.0.1:{port}" in errors[0], res.stderr[-3000:]
+    assert "ddp_kit/parallel/ft.py" not in res.stderr  # no traceback of ours (torchrun prints its own)
