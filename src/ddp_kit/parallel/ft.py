@@ -82,6 +82,9 @@ class Replica:
     # how to take one in: set by reliability/replica_steps.py.
     state_fn: Callable[[], dict] | None = None
     load_fn: Callable[[dict], None] | None = None
+    # Called when a gated optimizer step is discarded: torch's step hooks, which drive a loop that
+    # never calls run.step(), do not run then, and the step must still end at the boundary.
+    on_discard: Callable[[], None] | None = None
     _healing_since: float | None = None
 
     # ---- the quorum -------------------------------------------------------------------------------
@@ -160,7 +163,11 @@ class Replica:
         original = optimizer.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            return original(*args, **kwargs) if self.commit() else None
+            if self.commit():
+                return original(*args, **kwargs)
+            if self.on_discard is not None:
+                self.on_discard()
+            return None
         # An LR scheduler made before this wrapped the step to see it called; keep its mark, or it warns
         # that the step was replaced (it still sees every committed step through the original).
         if getattr(original, "_wrapped_by_lr_sched", False):

@@ -37,6 +37,7 @@ def attach(b: Boundary, replica: Replica) -> None:
     b.replica = replica
     replica.state_fn = lambda: {"objects": b.state.state_dict(), "done": b.done}
     replica.load_fn = lambda state: _take_live_state(b, state)
+    replica.on_discard = lambda: setattr(b, "pending", not b.explicit)  # the boundary still ends the step
     b.on_log.append(lambda record: record.update(_window(b)))
     for optimizer in b.optimizers:  # registered before the model was prepared
         replica.gate(optimizer)
