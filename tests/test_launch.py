@@ -15,14 +15,16 @@ CASES = {
                            "02:00:00", "--dry_run", "--", "configs/default.yaml", "--epochs", "3", "--run_dir", "runs/x y"],
     "launch_torchrun.sbatch": ["--layout", "torchrun", "--nodes", "3", "--nproc_per_node", "2", "--account", "proj",
                                "--job_name", "sweep", "--dry_run", "--", "--run_dir", "runs/sweep_{array_task}"],
+    "launch_ft.sbatch": ["--layout", "ft", "--nodes", "2", "--nproc_per_node", "2", "--partition", "gpu", "--dry_run",
+                         "--", "--run_dir", "runs/ft", "--max_steps", "300"],
 }
 
 
 K8S_SCRIPTS = ["src/ddp_kit/launch/templates/k8s/pod.sh", "src/ddp_kit/launch/templates/k8s/rank.sh"]
 
 
-@pytest.mark.parametrize("script", ["launch/torchrun.sh", "slurm/srun.sbatch", "slurm/torchrun.sbatch", ".ci/run",
-                                    *K8S_SCRIPTS])
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "slurm/srun.sbatch", "slurm/torchrun.sbatch", "slurm/ft.sbatch",
+                                    ".ci/run", *K8S_SCRIPTS])
 def test_shell_syntax(script):
     assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
 

@@ -4,6 +4,7 @@ and a restart for a group that fails while the others train on.
 
     python -m ddp_kit.launch ft --groups 2 --nproc_per_node 2 -- --strategy ft --run_dir runs/ft
     python -m ddp_kit.launch ft --groups 2 --script my_train.py -- --epochs 3
+    python -m ddp_kit.launch ft --srun --nproc_per_node 4 -- --run_dir runs/ft   # in a SLURM job: slurm/ft.sbatch
 
 Each group gets its own rendezvous port and DDP_KIT_REPLICA_GROUP, and every group the lighthouse's
 address (TORCHFT_LIGHTHOUSE): nothing to export by hand. A group that exits with an error is
@@ -13,6 +14,11 @@ agree on one step, checkpoint it and exit 75 (130 for Ctrl-C): the launcher then
 the same command resumes. The groups' workers run under the same rank shim as the Kubernetes
 templates (templates/k8s/rank.sh): torchrun reports any failed worker as exit 1, the shim's mark
 says a worker stopped on a signal.
+
+With --srun (inside a SLURM allocation, slurm/ft.sbatch) the same launcher spreads the groups over the nodes:
+the lighthouse stays where the launcher runs (the batch host, the job's first node), group g is one
+`srun --relative=g` step, a torchrun --standalone with its store on its own node, so a lost node takes one
+group with it and the rest train on; the restart is a fresh step on the same node.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,16 +92,42 @@ class Group:
     token: str = ""  # in the environment of every process of this group's current start (see _end_group)
 
 
-def group_command(target: list[str], nproc: int, port: int) -> list[str]:
-    shim = (Path(__file__).resolve().parent / "templates" / "k8s" / "rank.sh").read_text()
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0", "--no-python",
-            "sh", "-c", shim, "ddp_kit-rank", *target]
+def group_command(target: list[str], nproc: int, port: int, node: int | None = None) -> list[str]:
+    """One group's torchrun: on loopback at `port`, or (node given) as an srun step on that node of the
+    allocation, its rendezvous store local to it (--standalone): no group waits on another's node."""
+    # USR2 (SLURM's warning, or forwarded by ft()): torchrun must pass it on, not die of it, and the
+    # shim, which torchrun signals with its rank, must outlive it as it does SIGTERM.
+    shim = "trap : USR2\n" + (Path(__file__).resolve().parent / "templates" / "k8s" / "rank.sh").read_text()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"]
+    if node is None:
+        torchrun += ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    else:
+        torchrun = ["srun", "--nodes=1", "--ntasks=1", f"--relative={node}", "--kill-on-bad-exit=1", "--export=ALL",
+                    *torchrun, "--standalone"]
+    return [*torchrun, "--max_restarts=0", "--no-python", "sh", "-c", shim, "ddp_kit-rank", *target]
 
 
-def ft(*train_args: str, groups: int = 2, nproc_per_node: int = 1, max_restarts: int = 3, script: str | None = None,
-       lighthouse_port: int = 0, heartbeat_timeout_ms: int = 500, restart_delay_s: float = 1.0) -> None:
-    """Start the lighthouse and `groups` replica groups of `nproc_per_node` ranks; restart a failed group."""
+def resolve_groups(groups: int | None, srun: bool, environ: Mapping[str, str] = os.environ) -> int:
+    """--groups, else one per node of the SLURM allocation (--srun), else 2."""
+    if not srun:
+        return 2 if groups is None else groups
+    nodes = environ.get("SLURM_JOB_NUM_NODES", "")
+    if not nodes.isdigit():
+        raise UserError("--srun needs a SLURM allocation, and SLURM_JOB_NUM_NODES is not set",
+                        "run it inside a batch job (python -m ddp_kit.launch slurm --layout ft) or drop --srun")
+    if groups is not None and groups > int(nodes):
+        raise UserError(f"--groups {groups} with --srun: the allocation has {nodes} node(s), one group per node",
+                        f"ask sbatch for --nodes={groups}, or pass --groups {nodes}")
+    return int(nodes) if groups is None else groups
+
+
+def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max_restarts: int = 3,
+       script: str | None = None, lighthouse_port: int = 0, heartbeat_timeout_ms: int = 500,
+       restart_delay_s: float = 1.0, srun: bool = False) -> None:
+    """Start the lighthouse and `groups` replica groups of `nproc_per_node` ranks; restart a failed group.
+    srun: one group per node of this SLURM allocation, each an srun step (the module docstring says why)."""
+    groups = resolve_groups(groups, srun)
     if groups < 1 or nproc_per_node < 1:
         raise UserError(f"--groups {groups} --nproc_per_node {nproc_per_node}: both must be at least 1",
                         "e.g. --groups 2 --nproc_per_node 1")
@@ -103,19 +136,24 @@ def ft(*train_args: str, groups: int = 2, nproc_per_node: int = 1, max_restarts:
         args = ["--strategy", "ft", *args]  # the reference job: its default strategy is ddp
     target = [sys.executable, script, *args] if script else [sys.executable, "-m", "ddp_kit.train", *args]
     port = lighthouse_port or free_port()
+    # Groups on other nodes reach the lighthouse by this host's name; on one machine, loopback.
+    lighthouse = f"http://{socket.gethostname() if srun else '127.0.0.1'}:{port}"
     base = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-    house = subprocess.Popen(lighthouse_command(port, heartbeat_timeout_ms), env=base, start_new_session=True,
+    house = subprocess.Popen(lighthouse_command(port, heartbeat_timeout_ms), env={**base, TOKEN: f"{os.getpid()}-lighthouse"},
+                             start_new_session=True, preexec_fn=_die_with_parent,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stopping: list[int] = []
-    marks = Path(tempfile.mkdtemp(prefix="ddp_kit_ft_"))
+    # A group's rank shim writes its mark on the group's node: under srun, in the job's (shared) folder.
+    marks = Path(tempfile.mkdtemp(prefix="ddp_kit_ft_", dir=_shared_tmp() if srun else None))
     members = [Group(g, mark=marks / f"group{g}.stopped") for g in range(groups)]
 
     def start(group: Group) -> None:
         group.token = f"{os.getpid()}-{group.index}-{group.restarts}"
         env = {**base, TOKEN: group.token, "DDP_KIT_REPLICA_GROUP": str(group.index), "DDP_KIT_REPLICA_GROUPS": str(groups),
-               "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "DDP_KIT_GROUP_RESTARTS": str(group.restarts),
+               "TORCHFT_LIGHTHOUSE": lighthouse, "DDP_KIT_GROUP_RESTARTS": str(group.restarts),
                "DDP_KIT_PREEMPT_MARK": str(group.mark)}
-        group.proc = subprocess.Popen(group_command(target, nproc_per_node, free_port()), env=env, start_new_session=True)
+        command = group_command(target, nproc_per_node, free_port(), node=group.index if srun else None)
+        group.proc = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def forward(signum: int, _frame) -> None:
         stopping.append(signum)
@@ -126,8 +164,8 @@ def ft(*train_args: str, groups: int = 2, nproc_per_node: int = 1, max_restarts:
     previous = {s: signal.signal(s, forward) for s in STOPS}
     try:
         wait_listening(port, house)
-        say(f"lighthouse at http://127.0.0.1:{port} (heartbeat timeout {heartbeat_timeout_ms} ms); {groups} replica "
-            f"group(s) of {nproc_per_node} rank(s)")
+        say(f"lighthouse at {lighthouse} (heartbeat timeout {heartbeat_timeout_ms} ms); {groups} replica "
+            f"group(s) of {nproc_per_node} rank(s){', one per node (srun)' if srun else ''}")
         for group in members:
             start(group)
         code = supervise(members, start, stopping, max_restarts, restart_delay_s)
@@ -141,19 +179,40 @@ def ft(*train_args: str, groups: int = 2, nproc_per_node: int = 1, max_restarts:
     raise SystemExit(code)
 
 
-def supervise(members: list[Group], start, stopping: list[int], max_restarts: int, delay_s: float) -> int:
+def supervise(members: list[Group], start, stopping: list[int], max_restarts: int, delay_s: float,
+              finish_grace_s: float = 60.0) -> int:
     """Wait for every group to end; restart one that fails while no stop was asked for. The exit code:
-    0 when every group finished, 75/130 when they stopped on a signal, else the first failure's."""
+    0 when every group finished, 75/130 when they stopped on a signal, else the first failure's.
+
+    Once a group has finished the job, the others have `finish_grace_s` to finish too (one in step
+    with it ends within a step); a group still running then is one that came back too late to have a
+    peer to recover from, and would only train alone from its own checkpoint: it is stopped (SIGTERM:
+    it saves and exits 75), and that is not a failure of the job."""
+    finished_at: float | None = None
+    late: set[int] = set()
     while any(g.code is None for g in members):
         time.sleep(0.1)
+        if finished_at is not None and time.monotonic() > finished_at + finish_grace_s:
+            for group in members:
+                if group.code is None and group.index not in late and group.proc is not None and group.proc.poll() is None:
+                    late.add(group.index)
+                    say(f"replica group {group.index} is still running {finish_grace_s:.0f}s after another group "
+                        f"finished the job: stopping it")
+                    os.kill(group.proc.pid, signal.SIGTERM)
         for group in members:
             if group.code is not None or group.proc is None or group.proc.poll() is None:
                 continue
             rc = group.proc.returncode
             _end_group(group)  # its workers, should torchrun itself have died first
             stopped = group.mark.exists()
-            if rc == 0 or stopped or stopping:
+            # After a group has finished the job, one that fails has no peer left to recover from.
+            if group.index in late:
+                group.code = 0  # the job was done without it
+                continue
+            if rc == 0 or stopped or stopping or finished_at is not None:
                 group.code = (130 if stopping and stopping[0] == signal.SIGINT else 75) if stopped else rc
+                if rc == 0 and finished_at is None:
+                    finished_at = time.monotonic()
                 continue
             if group.restarts >= max_restarts:
                 group.code = rc
@@ -171,7 +230,15 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
     stops = [c for c in codes if c in (75, 130)]
     if stops and all(c in (0, 75, 130) for c in codes):
         return stops[0]
-    return next(c for c in codes if c not in (0, 75, 130)) or 1
+    failed = next(c for c in codes if c not in (0, 75, 130))
+    return 128 - failed if failed < 0 else failed  # killed by a signal: the shell's 128 + N
+
+
+def _shared_tmp() -> Path:
+    """.ddp_kit/ in the working folder, which sbatch's nodes share (/tmp is each node's own)."""
+    path = Path(".ddp_kit").resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _exit_name(rc: int) -> str:
@@ -210,6 +277,17 @@ def _marked(needle: bytes) -> list[int]:
         except OSError:
             continue
     return out
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so that no lighthouse or torchrun outlives it; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _end_session(proc: subprocess.Popen | None) -> None:

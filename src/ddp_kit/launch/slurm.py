@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import UserError
 
-LAYOUTS = ("srun", "torchrun")
+LAYOUTS = ("srun", "torchrun", "ft")
 
 
 def template_path(layout: str) -> Path:

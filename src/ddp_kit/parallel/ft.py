@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -162,7 +163,7 @@ class Replica:
             return
         original = optimizer.step
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if self.commit():
                 return original(*args, **kwargs)
             if self.on_discard is not None:
@@ -172,7 +173,8 @@ class Replica:
         # that the step was replaced (it still sees every committed step through the original).
         if getattr(original, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
-        optimizer.step = step
+        # A bound method, as torch's own: an LR scheduler made after this wraps `step.__func__`.
+        optimizer.step = types.MethodType(step, optimizer)
         self.gated.append(optimizer)
 
     def shutdown(self) -> None:

@@ -30,6 +30,7 @@ Boundary = Any
 Replica = Any  # parallel.ft.Replica (not imported: torch's DDP and torchft stay out of the boundary's imports)
 
 WAIT_NOTE_S = 5.0  # a fresh start waiting this long for the other groups says so, once
+RESTART_WAIT_S = 10.0  # a restarted group's wait for a running one to share a quorum with
 
 
 def attach(b: Boundary, replica: Replica) -> None:
@@ -65,21 +66,20 @@ def join(b: Boundary) -> bool:
                         "registered", "pass the optimizer to run.prepare(model, loader, optimizer) or "
                         "run.resume(optimizer=optimizer)")
     started, said = time.monotonic(), False
+    # A fresh start waits for every group. A group its launcher restarted waits for one other (its
+    # first quorum may form before the running groups ask for their next one), briefly: the others
+    # may be done and gone, and then it goes on from its own checkpoint.
+    restarted = b.ctx.env.restart_count > 0
+    wanted, patience = (min(r.groups, 2), RESTART_WAIT_S) if restarted else (r.groups, b.ctx.timeout_s)
     while True:
         b.progress.enter("quorum", b.done)
         r.begin_step()
         if r.recoveries and r.step() > 0:
-            rec = r.recoveries[-1]
-            rec["step"] = b.done
-            b.say(f"ddp_kit: replica group {r.group} recovered live from group {rec['source_group']} at step "
-                  f"{b.done} in {rec['seconds']:.2f}s (no checkpoint read); {r.participants} of {r.groups} groups "
-                  f"train")
-            b.write({"event": "recovery", "step": b.done, **rec})
-            b.replica_seen["check_next"] = True
+            _recovered(b, r.recoveries[-1], "no checkpoint read")
             r.events.clear()
             return True
         waited = time.monotonic() - started
-        if r.participants >= r.groups or waited > b.ctx.timeout_s:
+        if r.participants >= wanted or waited > patience:
             break
         if not said and waited > WAIT_NOTE_S:
             said = True
@@ -90,6 +90,15 @@ def join(b: Boundary) -> bool:
     r.recoveries.clear()  # step 0's weight sync between fresh groups is not a recovery
     r.events.clear()  # nor is the other groups' arrival
     return False
+
+
+def _recovered(b: Boundary, rec: dict, how: str) -> None:
+    r = b.replica
+    rec["step"] = b.done
+    b.say(f"ddp_kit: replica group {r.group} recovered live from group {rec['source_group']} at step {b.done} in "
+          f"{rec['seconds']:.2f}s ({how}); {r.participants} of {r.groups} groups train")
+    b.write({"event": "recovery", "step": b.done, **rec})
+    b.replica_seen["check_next"] = True
 
 
 def resumed_from_disk(b: Boundary) -> None:
@@ -109,10 +118,8 @@ def begin(b: Boundary) -> None:
     b.progress.enter("quorum", b.done + 1)
     seen = len(r.recoveries)
     r.begin_step()
-    for rec in r.recoveries[seen:]:  # a group that fell behind while running (rare): healed at this quorum
-        rec["step"] = b.done
-        b.write({"event": "recovery", "step": b.done, **rec})
-        b.replica_seen["check_next"] = True
+    for rec in r.recoveries[seen:]:  # behind the others after its own checkpoint: healed at this quorum
+        _recovered(b, rec, "after its own checkpoint")
     for event in r.events:
         b.write({**event, "step": b.done + 1})
     r.events.clear()
@@ -131,7 +138,7 @@ def counted(b: Boundary) -> bool:
     last, usual = seen["last_commit_t"], seen["usual_s"]
     if last is not None:
         gap = now - last
-        if usual is not None and gap > 3 * usual + 0.05:
+        if usual is not None and gap > 3 * usual + 0.25:  # a quorum change, not a slow step's noise
             r.pause_s += gap - usual
             b.write({"event": "replica_pause", "step": b.done + 1, "paused_s": round(gap - usual, 3),
                      "participants": r.participants, "discarded_total": r.discarded})

@@ -38,7 +38,11 @@ def stop(b: Boundary, signum: int) -> None:
         b.checkpointer().wait()
         grace.note_timings(b)
     took = time.monotonic() - took
-    wants_requeue = signum == signal.SIGUSR2 and b.ctx.env.requeue_command is not None
+    # Replica groups (strategy ft): every group has saved before anyone requeues (requeueing ends the
+    # job), and one group requeues it.
+    replica_steps.agree_stop(b, signum)
+    wants_requeue = (signum == signal.SIGUSR2 and b.ctx.env.requeue_command is not None
+                     and b.ctx.env.replica_group == 0)
     code = exit_code(signum)
     if b.ctx.is_main:
         # Printed before the requeue: SLURM ends this job the moment it requeues it.
