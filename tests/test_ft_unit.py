@@ -553,3 +553,21 @@ def test_a_stop_mark_without_a_signal_to_the_launcher_is_75_not_a_restart(tmp_pa
 def test_ctrl_c_is_130(tmp_path, fast):
     launches = Launches(tmp_path, {0: [(1, 1)], 1: [(1, 1)]}, stop_marks={0: 0, 1: 0})
     assert supervise(launches, stopping=[signal.SIGINT]) == 130
+
+
+def test_the_report_draws_the_replica_groups_apart_from_what_the_script_logged():
+    from ddp_kit.report import outline
+
+    records = [{"event": "train", "step": s, "loss": 1.0 / s, "participants": 2 if s < 20 or s > 40 else 1}
+               for s in range(5, 60, 5)]
+    records += [{"event": "step_discarded", "step": 21, "participants": 2},
+                {"event": "quorum", "step": 21, "participants": 1, "was": 2, "quorum_s": 0.4},
+                {"event": "replica_pause", "step": 21, "paused_s": 0.5, "participants": 1, "discarded_total": 1},
+                {"event": "recovery", "step": 41, "source_group": 0, "seconds": 0.04},
+                {"event": "replica_weights_checked", "step": 50, "equal": True, "participants": 2}]
+    drawn = dict(outline(records))
+    assert drawn["replica groups (strategy ft)"] == ["replica groups in the quorum", "discarded step", "pause (s)",
+                                                     "live recovery (s)"]
+    assert "logged by the script (run.log_event)" not in drawn  # the replica events are not the script's
+    plain = [{"event": "train", "step": s, "loss": 1.0 / s} for s in range(5, 60, 5)]  # strategy ddp: no panel
+    assert "replica groups (strategy ft)" not in dict(outline(plain))

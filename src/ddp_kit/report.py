@@ -20,6 +20,8 @@ from .reliability.run_dir import RunDir
 NOT_METRICS = {"step", "epoch", "time", "rank", "pid", "id"}
 # The reference job's eval fields, drawn in the loss panel (eval_samples is a count, not a metric).
 EVAL_DRAWN = {"eval_loss", "eval_accuracy", "eval_samples"}
+# What strategy ft's step boundary writes (reliability/replica_steps.py): its own panel, not the script's.
+REPLICA_EVENTS = {"quorum", "step_discarded", "replica_pause", "recovery", "replica_weights_checked"}
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -128,13 +130,14 @@ def panels(records: list[dict]) -> list[Panel]:
     out.append(Panel("per-rank step time: a straggler stands out", "step", "ms per step of own work (no waiting)", step_time))
     out.append(Panel("memory (CUDA allocator peak or CPU RSS)", "step", "peak memory (MiB)", memory))
     out.append(_model_state(train))
+    out.append(_replicas(train, records))
 
     # What a script logged itself (run.log_event): every numeric field of a non-train record, against
     # its step. The reference job's eval fields are in the loss panel already.
     user: dict[str, list] = {}  # series label ("val val_acc", or the field alone without an event): points
     for r in records:
         event = r.get("event")
-        if event == "train" or not _num(r.get("step")):
+        if event == "train" or event in REPLICA_EVENTS or not _num(r.get("step")):
             continue
         for key, v in r.items():
             if key in NOT_METRICS or key.endswith("_id") or key == "event" or (event == "eval" and key in EVAL_DRAWN):
@@ -149,6 +152,18 @@ def panels(records: list[dict]) -> list[Panel]:
 def outline(records: list[dict]) -> list[tuple[str, list[str]]]:
     """(panel title, [series labels]) of what report.png will show."""
     return [(p.title, [s[0] for s in p.series + p.right]) for p in panels(records)]
+
+
+def _replicas(train: list[dict], records: list[dict]) -> Panel:
+    """Strategy ft: the replica groups in each step's quorum, and what a lost or returning group cost
+    this group (the pauses, the discarded steps, its own live recoveries); empty for other strategies."""
+    of = lambda kind: [r for r in records if r.get("event") == kind]
+    series = (_line("replica groups in the quorum", _points(train, "participants"), drawstyle="steps-post")
+              + _line("discarded step", [(r["step"], 0) for r in of("step_discarded") if _num(r.get("step"))],
+                      fmt="x", color="tab:red"))
+    right = (_line("pause (s)", _points(of("replica_pause"), "paused_s"), fmt="o", color="tab:orange")
+             + _line("live recovery (s)", _points(of("recovery"), "seconds"), fmt="s", color="tab:green"))
+    return Panel("replica groups (strategy ft)", "step", "groups", series, right=right, ylabel2="seconds")
 
 
 def _model_state(train: list[dict]) -> Panel:
