@@ -123,7 +123,7 @@ class FakeManager:
         self.calls: list[str] = []
         self.steps = 0
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, timeout=None) -> None:
         self.calls.append("start_quorum")
         if len(self.participants) > 1:
             self.participants.pop(0)
@@ -311,7 +311,7 @@ def test_live_state_goes_through_the_boundarys_functions():
 
 def test_a_manager_server_that_does_not_answer_names_the_group():
     class Gone(FakeManager):
-        def start_quorum(self):
+        def start_quorum(self, timeout=None):
             raise ConnectionError("tcp connect error: Connection refused\n  at some/rust/frame.rs:12")
 
     r = ft.Replica(manager=Gone(), group=1, groups=2, group_size=1)
@@ -475,7 +475,9 @@ class Launches:
     """The launcher's start(group), scripted: each group's attempts as (polls, exit code), and a record
     of every start as (group, its restart count then)."""
 
-    def __init__(self, tmp_path: Path, attempts: dict[int, list[tuple[int, int]]], stop_marks: dict | None = None):
+    def __init__(self, tmp_path: Path, attempts: dict[int, list[tuple[int, int]]], stop_marks: dict | None = None,
+                 mark_text: str = ""):
+        self.mark_text = mark_text  # what the shim writes: launch/ft.py's SHIM its code, templates/k8s/rank.sh nothing
         self.attempts = {g: list(a) for g, a in attempts.items()}
         self.stop_marks = stop_marks or {}  # group -> the attempt after whose start its shim writes the mark
         self.started: list[tuple[int, int]] = []
@@ -485,7 +487,7 @@ class Launches:
         polls, code = self.attempts[group.index].pop(0)
         self.started.append((group.index, group.restarts))
         if self.stop_marks.get(group.index) == group.restarts:
-            group.mark.touch()
+            group.mark.write_text(self.mark_text)
         group.proc = FakeProc(1000 + len(self.started), polls, code)
 
 
@@ -551,7 +553,7 @@ def test_a_stop_mark_without_a_signal_to_the_launcher_is_75_not_a_restart(tmp_pa
 
 
 def test_ctrl_c_is_130(tmp_path, fast):
-    launches = Launches(tmp_path, {0: [(1, 1)], 1: [(1, 1)]}, stop_marks={0: 0, 1: 0})
+    launches = Launches(tmp_path, {0: [(1, 1)], 1: [(1, 1)]}, stop_marks={0: 0, 1: 0}, mark_text="130\n")
     assert supervise(launches, stopping=[signal.SIGINT]) == 130
 
 

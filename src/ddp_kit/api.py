@@ -145,8 +145,16 @@ class Run:
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
         for o in out:  # strategy ft: the model's replica group member joins the step boundary
             replica = chosen.replica(o) if isinstance(o, nn.Module) else None
-            if replica is not None and self._boundary.replica is None:
+            if replica is not None:
+                if self._boundary.replica is not None:
+                    raise UserError("a second model was prepared with strategy ft: each would have its own quorum",
+                                    "wrap the models in one nn.Module and prepare that once")
                 replica_steps.attach(self._boundary, replica)
+        if models and self.ctx.env.replica_groups > 1 and self._boundary.replica is None:
+            raise UserError(f"this process is replica group {self.ctx.env.replica_group} of {self.ctx.env.replica_groups}, "
+                            f"and its model was prepared with strategy {chosen.name}, which nothing averages across the "
+                            f"groups: each would train a model of its own on 1/{self.ctx.env.replica_groups} of the data",
+                            "pass strategy='ft' to run.prepare (--strategy ft), or launch without python -m ddp_kit.launch ft")
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._boundary.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)
@@ -284,8 +292,9 @@ class Run:
         while epoch < stop:
             yield epoch
             self._boundary.flush()
-            # Read anew: a replica group that recovered live during the epoch is in its peer's epoch now.
-            epoch = max(epoch + 1, start + self.epoch)
+            # Read anew under strategy ft: a replica group that recovered live during the epoch is in its
+            # peer's epoch now. (Elsewhere a loop may iterate its loader twice per epoch of its own.)
+            epoch = max(epoch + 1, start + self.epoch) if self._boundary.replica is not None else epoch + 1
 
     def heartbeat(self, phase: str = "eval") -> None:
         """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",

@@ -40,6 +40,15 @@ STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 # Marks the processes of one start of one group: torchrun puts its workers in sessions of their own, so
 # a killed torchrun's workers are found by this mark, not by process group.
 TOKEN = "DDP_KIT_FT_GROUP_TOKEN"
+# Each rank runs under this shim (as templates/k8s/rank.sh does for the pods): torchrun reports any failed
+# worker as its own exit 1, so a rank that stopped on a signal (75 preempted, 130 Ctrl-C) writes its code
+# into the group's mark; the traps keep the shell alive until the rank has saved and exited.
+SHIM = """trap : TERM INT HUP USR2
+"$@"
+rc=$?
+case "$rc" in 75|130) echo "$rc" >"${DDP_KIT_PREEMPT_MARK:-/tmp/ddp_kit.preempted}" ;; esac
+exit "$rc"
+"""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +64,7 @@ def lighthouse_binary() -> str:
     return found
 
 
-def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: int = 100) -> list[str]:
+def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: int = 1000) -> list[str]:
     """torchft's lighthouse for one job. min_replicas 1: a quorum forms with whatever groups are alive
     (a fresh start waits for all of them in ddp_kit itself, reliability/replica_steps.join). The
     heartbeat timeout is how long the survivors pause when a group dies without a word; join_timeout
@@ -65,11 +74,13 @@ def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: in
             "--quorum_tick_ms", "20"]
 
 
-def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, log: Path | None = None, timeout_s: float = 10.0) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise UserError(f"torchft's lighthouse exited with {proc.returncode} at startup (port {port})",
+            said = log.read_text(errors="replace").strip().splitlines()[-1:] if log is not None and log.exists() else []
+            raise UserError(f"torchft's lighthouse exited with {proc.returncode} at startup (port {port})"
+                            + (f": {said[0][:200]}" if said else ""),
                             "pass another --lighthouse_port, or check that torchft is installed whole")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -97,7 +108,6 @@ def group_command(target: list[str], nproc: int, port: int, node: int | None = N
     allocation, its rendezvous store local to it (--standalone): no group waits on another's node."""
     # USR2 (SLURM's warning, or forwarded by ft()): torchrun must pass it on, not die of it, and the
     # shim, which torchrun signals with its rank, must outlive it as it does SIGTERM.
-    shim = "trap : USR2\n" + (Path(__file__).resolve().parent / "templates" / "k8s" / "rank.sh").read_text()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
                 "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"]
     if node is None:
@@ -105,7 +115,7 @@ def group_command(target: list[str], nproc: int, port: int, node: int | None = N
     else:
         torchrun = ["srun", "--nodes=1", "--ntasks=1", f"--relative={node}", "--kill-on-bad-exit=1", "--export=ALL",
                     *torchrun, "--standalone"]
-    return [*torchrun, "--max_restarts=0", "--no-python", "sh", "-c", shim, "ddp_kit-rank", *target]
+    return [*torchrun, "--max_restarts=0", "--no-python", "sh", "-c", SHIM, "ddp_kit-rank", *target]
 
 
 def resolve_groups(groups: int | None, srun: bool, environ: Mapping[str, str] = os.environ) -> int:
@@ -124,7 +134,7 @@ def resolve_groups(groups: int | None, srun: bool, environ: Mapping[str, str] = 
 
 def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max_restarts: int = 3,
        script: str | None = None, lighthouse_port: int = 0, heartbeat_timeout_ms: int = 500,
-       restart_delay_s: float = 1.0, srun: bool = False) -> None:
+       restart_delay_s: float = 1.0, srun: bool = False, join_timeout_ms: int = 1000) -> None:
     """Start the lighthouse and `groups` replica groups of `nproc_per_node` ranks; restart a failed group.
     srun: one group per node of this SLURM allocation, each an srun step (the module docstring says why)."""
     groups = resolve_groups(groups, srun)
@@ -139,12 +149,15 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
     # Groups on other nodes reach the lighthouse by this host's name; on one machine, loopback.
     lighthouse = f"http://{socket.gethostname() if srun else '127.0.0.1'}:{port}"
     base = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-    house = subprocess.Popen(lighthouse_command(port, heartbeat_timeout_ms), env={**base, TOKEN: f"{os.getpid()}-lighthouse"},
-                             start_new_session=True, preexec_fn=_die_with_parent,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stopping: list[int] = []
     # A group's rank shim writes its mark on the group's node: under srun, in the job's (shared) folder.
     marks = Path(tempfile.mkdtemp(prefix="ddp_kit_ft_", dir=_shared_tmp() if srun else None))
+    # The lighthouse's log goes to a file (a pipe nobody reads would fill and stall it): its tail is
+    # shown when it fails to start.
+    house_log = open(marks / "lighthouse.log", "wb")
+    house = subprocess.Popen(lighthouse_command(port, heartbeat_timeout_ms, join_timeout_ms),
+                             env={**base, TOKEN: f"{os.getpid()}-lighthouse"}, start_new_session=True,
+                             preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL, stderr=house_log)
     members = [Group(g, mark=marks / f"group{g}.stopped") for g in range(groups)]
 
     def start(group: Group) -> None:
@@ -154,6 +167,8 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
                "DDP_KIT_PREEMPT_MARK": str(group.mark)}
         command = group_command(target, nproc_per_node, free_port(), node=group.index if srun else None)
         group.proc = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        if stopping:  # a stop signal came while this group was (re)starting: it stops too
+            os.kill(group.proc.pid, stopping[0])
 
     def forward(signum: int, _frame) -> None:
         stopping.append(signum)
@@ -163,7 +178,7 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
 
     previous = {s: signal.signal(s, forward) for s in STOPS}
     try:
-        wait_listening(port, house)
+        wait_listening(port, house, marks / "lighthouse.log")
         say(f"lighthouse at {lighthouse} (heartbeat timeout {heartbeat_timeout_ms} ms); {groups} replica "
             f"group(s) of {nproc_per_node} rank(s){', one per node (srun)' if srun else ''}")
         for group in members:
@@ -175,6 +190,7 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
         for group in members:
             _end_group(group)
         _end_session(house)
+        house_log.close()
         shutil.rmtree(marks, ignore_errors=True)
     raise SystemExit(code)
 
@@ -204,13 +220,13 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
                 continue
             rc = group.proc.returncode
             _end_group(group)  # its workers, should torchrun itself have died first
-            stopped = group.mark.exists()
+            stopped = _mark_code(group.mark)
             # After a group has finished the job, one that fails has no peer left to recover from.
             if group.index in late:
                 group.code = 0  # the job was done without it
                 continue
             if rc == 0 or stopped or stopping or finished_at is not None:
-                group.code = (130 if stopping and stopping[0] == signal.SIGINT else 75) if stopped else rc
+                group.code = stopped or rc
                 if rc == 0 and finished_at is None:
                     finished_at = time.monotonic()
                 continue
@@ -223,6 +239,9 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
             say(f"replica group {group.index} failed (exit {_exit_name(rc)}); restarting it "
                 f"({group.restarts} of {max_restarts}); it recovers live from a running group")
             time.sleep(delay_s)
+            if stopping:  # stopped while it waited to restart: nothing left to save
+                group.code = rc
+                continue
             start(group)
     codes = [g.code for g in members]
     if all(c == 0 for c in codes):
@@ -239,6 +258,15 @@ def _shared_tmp() -> Path:
     path = Path(".ddp_kit").resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _mark_code(mark: Path) -> int:
+    """The code a group's rank stopped with on a signal (75, 130), from the shim's mark; 0: none."""
+    try:
+        text = mark.read_text().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 75  # an empty mark (templates/k8s/rank.sh's): preempted
 
 
 def _exit_name(rc: int) -> str:

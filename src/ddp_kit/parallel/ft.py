@@ -26,7 +26,7 @@ import os
 import time
 import types
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -69,6 +69,7 @@ class Replica:
     group: int
     groups: int
     group_size: int
+    device: Any = "cpu"  # where the cross-group control tensors go (NCCL moves GPU tensors only)
     in_step: bool = False  # a quorum was formed for the step under way
     decision: bool | None = None  # this step's should_commit, once asked
     joined: bool = False
@@ -90,7 +91,7 @@ class Replica:
 
     # ---- the quorum -------------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self, timeout_s: float | None = None) -> None:
         """Form this step's quorum (once per step). A group that is behind is healed in here."""
         if self.in_step:
             return
@@ -98,7 +99,7 @@ class Replica:
         started = time.monotonic()
         self._healing_since = started
         with _manager_calls(self.group):
-            self.manager.start_quorum()
+            self.manager.start_quorum(timeout=None if timeout_s is None else timedelta(seconds=max(timeout_s, 1.0)))
         took = time.monotonic() - started
         self.quorum_s += took
         before, self.participants = self.participants, self.manager.num_participants()
@@ -150,11 +151,15 @@ class Replica:
         the same step); this group's own when a group is lost on the way (that step is discarded anyway)."""
         if self.groups == 1:
             return list(values)
-        t = torch.tensor([float(v) for v in values])
+        t = torch.tensor([float(v) for v in values], device=self.device)
         work = self.manager.allreduce(t, reduce_op=tdist.ReduceOp.MAX)
         if not work.wait() or self.manager.errored():
             return list(values)
         return [max(v, int(x)) for v, x in zip(values, t.tolist())]
+
+    def leads(self) -> bool:
+        """This group is the first of the current quorum (the one that requeues a stopped job)."""
+        return self.groups == 1 or self.manager.participating_rank() == 0
 
     def gate(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step() runs only when the quorum commits this step (the call a script makes is
@@ -191,6 +196,10 @@ def _manager_calls(group: int):
         raise
     except Exception as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        if "timeout" in first.lower() or "deadline" in first.lower():
+            raise RuntimeError(f"replica group {group} got no quorum in time (DDP_KIT_FT_QUORUM_TIMEOUT_S, "
+                               f"{Timeouts.from_environ(os.environ).quorum_s:g}s): the lighthouse or the other groups "
+                               f"did not answer; Timed out: {first}") from exc
         raise RuntimeError(f"replica group {group}'s manager server on its rank 0 does not answer (remote process "
                            f"exited?): {first}") from exc
 
@@ -269,7 +278,7 @@ class FaultTolerant(Strategy):
 
     def wrap(self, model: nn.Module, ctx: Any, *, ddp: dict[str, Any] | None = None, **_: Any) -> nn.Module:
         replica = Replica(manager=None, group=ctx.env.replica_group, groups=ctx.env.replica_groups,
-                          group_size=ctx.world_size)
+                          group_size=ctx.world_size, device=ctx.device)
         replica.manager = _manager(ctx, Timeouts.from_environ(os.environ), replica)
         model = model.to(ctx.device)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -284,7 +293,7 @@ class FaultTolerant(Strategy):
         return replica_of(model) is not None
 
     def accumulate(self, model: nn.Module, sync: bool):
-        return unwrap_ddp(model).no_sync()
+        return nullcontext() if sync else unwrap_ddp(model).no_sync()
 
     def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
         return {"ddp": {"bucket_cap_mb": values["bucket_cap_mb"]}}

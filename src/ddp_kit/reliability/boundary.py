@@ -136,9 +136,11 @@ class StepBoundary:
             if not self.failed:  # after a failure, the failure is what gets reported
                 raise
         finally:
-            if self.replica is not None:
-                self.replica.shutdown()
-            self.resources.close()
+            try:
+                if self.replica is not None:
+                    self.replica.shutdown()
+            finally:
+                self.resources.close()
             # Let go of the model, optimizer and loaders before the process group is destroyed: a
             # DDP reducer still alive then can abort the process at exit (pytorch#190489; the
             # teardown's gc.collect frees it only if nothing holds it).

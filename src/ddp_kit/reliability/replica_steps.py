@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from .preemption import PRIORITY
 from .sync_checks import checksums
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
@@ -61,6 +62,10 @@ def join(b: Boundary) -> bool:
     if r.joined:
         return False
     r.joined = True
+    if not b.loaders:
+        raise UserError("strategy 'ft' forms each step's quorum when the loader from run.prepare fetches a batch, "
+                        "and this run has none: the quorum would come after the gradients were exchanged",
+                        "pass the training DataLoader to run.prepare(model, loader, optimizer, strategy='ft')")
     if not r.gated:
         raise UserError("strategy 'ft' decides at each step whether the optimizer step counts, and no optimizer is "
                         "registered", "pass the optimizer to run.prepare(model, loader, optimizer) or "
@@ -73,7 +78,7 @@ def join(b: Boundary) -> bool:
     wanted, patience = (min(r.groups, 2), RESTART_WAIT_S) if restarted else (r.groups, b.ctx.timeout_s)
     while True:
         b.progress.enter("quorum", b.done)
-        r.begin_step()
+        r.begin_step(timeout_s=patience - (time.monotonic() - started) + 1.0)
         if r.recoveries and r.step() > 0:
             _recovered(b, r.recoveries[-1], "no checkpoint read")
             r.events.clear()
@@ -84,7 +89,7 @@ def join(b: Boundary) -> bool:
         if not said and waited > WAIT_NOTE_S:
             said = True
             b.say(f"ddp_kit: waiting for the other replica groups at the lighthouse {b.ctx.env.lighthouse}: "
-                  f"{r.participants} of {r.groups} joined (up to {b.ctx.timeout_s:.0f}s, then the groups present start)")
+                  f"{r.participants} of {r.groups} joined (up to {patience:.0f}s, then the groups present start)")
         r.in_step = False
         time.sleep(0.2)
     r.recoveries.clear()  # step 0's weight sync between fresh groups is not a recovery
@@ -102,8 +107,9 @@ def _recovered(b: Boundary, rec: dict, how: str) -> None:
 
 
 def resumed_from_disk(b: Boundary) -> None:
-    """A durable checkpoint was read: the quorum compares this step count (a group behind is healed
-    at the next quorum), which the first step forms anew."""
+    """After the join, when no peer's state was taken live (a checkpoint was read, or none was found):
+    the quorum compares this step count (a group behind is healed at the next quorum), which the first
+    step forms anew, in every group alike."""
     b.replica.set_step(b.done)
     b.replica.in_step = False
 
@@ -160,7 +166,7 @@ def _check_weights(b: Boundary) -> None:
     r = b.replica
     if not b.modules or r.groups == 1:
         return
-    mine = checksums([(n, p) for n, p in b.modules[0].named_parameters()]).reshape(-1).cpu()
+    mine = checksums([(n, p) for n, p in b.modules[0].named_parameters()]).reshape(-1).to(r.device)
     top = mine.clone()
     low = -mine
     ok_top = r.manager.allreduce(top, reduce_op=torch.distributed.ReduceOp.MAX).wait()
@@ -175,17 +181,19 @@ def _check_weights(b: Boundary) -> None:
               f"the same weights; stop the job and resume it from its last checkpoint")
 
 
-def agree_stop(b: Boundary, signum: int) -> int:
-    """A stop signal seen by any group stops every group after this same step. The same exchange
-    says whether a group recovered live since the last one: then every group compares weights (both
-    are collective across the groups of the quorum, at steps every group reaches: symmetric by design)."""
+def agree_stop(b: Boundary, signum: int, due: bool = False) -> tuple[int, bool]:
+    """A stop signal seen by any group stops every group after this same step, and a timed checkpoint
+    due in any group is taken by all (each group's clock is its own: a save in one group alone would
+    leave the others waiting in its next exchange). The same exchange says whether a group recovered
+    live since the last one: then every group compares weights. All of it is collective across the
+    groups of the quorum, at steps every group reaches: symmetric by design."""
     if b.replica is None:
-        return signum
-    signum, recovered = b.replica.agree_max(signum, int(b.replica_seen["check_next"]))
+        return signum, due
+    prio, recovered, due = b.replica.agree_max(PRIORITY.index(signum), int(b.replica_seen["check_next"]), int(due))
     b.replica_seen["check_next"] = False
     if recovered:
         _check_weights(b)
-    return signum
+    return PRIORITY[prio], bool(due)
 
 
 def _window(b: Boundary) -> dict[str, Any]:

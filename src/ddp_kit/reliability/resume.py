@@ -32,8 +32,8 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
     found = None if live else ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
     if found is not None:
         _restore(b, ckpt, found, check)
-        if b.replica is not None:
-            replica_steps.resumed_from_disk(b)
+    if b.replica is not None and not live:
+        replica_steps.resumed_from_disk(b)
     if b.ctx.is_main and b.rd is not None and not live:  # a live recovery continues the run's own lineage
         archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
     if b.policy.ckpt_every == 0 and b.rd is not None:

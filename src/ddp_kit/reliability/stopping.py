@@ -22,7 +22,7 @@ def stop_if_signalled(b: Boundary) -> bool:
            and time.monotonic() - b.last_save_t >= b.policy.ckpt_every_s)
     with b.collective("preemption check"):
         signum, due = agree_stop(b.ctx, b.flag, due)
-        signum = replica_steps.agree_stop(b, signum)  # every replica group stops after the same step
+        signum, due = replica_steps.agree_stop(b, signum, due)  # every replica group alike
     if signum:
         stop(b, signum)
     return due
@@ -42,7 +42,7 @@ def stop(b: Boundary, signum: int) -> None:
     # job), and one group requeues it.
     replica_steps.agree_stop(b, signum)
     wants_requeue = (signum == signal.SIGUSR2 and b.ctx.env.requeue_command is not None
-                     and b.ctx.env.replica_group == 0)
+                     and (b.replica is None or b.replica.leads()))
     code = exit_code(signum)
     if b.ctx.is_main:
         # Printed before the requeue: SLURM ends this job the moment it requeues it.
