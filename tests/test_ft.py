@@ -118,7 +118,8 @@ def stop_after_recovery(p: subprocess.Popen, run_dir: Path, more: int = 10, time
     end = time.monotonic() + timeout
     while time.monotonic() < end and p.poll() is None:
         rec = events(run_dir, 1, "recovery")
-        if rec and any(r.get("event") == "train" and r["step"] >= rec[0]["step"] + more for r in records(run_dir, 1)):
+        if rec and any(r.get("event") == "train" and r["time"] > rec[-1]["time"] and r["step"] >= rec[-1]["step"] + more
+                       for r in records(run_dir, 1)):
             break
         time.sleep(0.2)
     else:

@@ -125,7 +125,8 @@ def begin(b: Boundary) -> None:
     seen = len(r.recoveries)
     r.begin_step()
     for rec in r.recoveries[seen:]:  # behind the others after its own checkpoint: healed at this quorum
-        _recovered(b, rec, "after its own checkpoint")
+        if r.step() > 0:  # (at step 0: torchft's first weight sync between fresh groups, not a recovery)
+            _recovered(b, rec, "after its own checkpoint")
     for event in r.events:
         b.write({**event, "step": b.done + 1})
     r.events.clear()
