@@ -4,6 +4,7 @@
 process inside them (only those: they are ours)."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -49,12 +50,17 @@ class Host:
                 f'hostname {self.name} && exec "$@"', "sh", *argv]
 
 
+_calls = itertools.count()
+
+
 @contextmanager
 def hosts(names: list[str], subnet: str = "10.231.0", hosts_entries: dict[str, str] | None = None) -> Iterator[list[Host]]:
     """Namespaces joined by a bridge, host i at <subnet>.<i+1>. Each hosts file names every host,
     plus `hosts_entries` (name -> address); a test may append to it later (the bind mount follows the
     file, so a name can appear while the processes run)."""
-    tag = f"dk{os.getpid() % 100000}"
+    # Unique per call, not only per process: the kernel destroys a deleted namespace's veth asynchronously,
+    # so the next test in this worker reusing the names could find them still there ("File exists").
+    tag = f"dk{os.getpid() % 10000}{next(_calls) % 100:02d}"
     made = [Host(name, f"{tag}{i}", f"{subnet}.{i + 1}") for i, name in enumerate(names)]
     bridge = f"{tag}br"
     try:
