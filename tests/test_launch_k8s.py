@@ -326,7 +326,8 @@ def _pod(command: list[str], mark: Path, env_extra: dict | None = None) -> subpr
 def _term_when_ready(p: subprocess.Popen, ready: int, timeout: float = 60) -> tuple[str, str]:
     lines, deadline = 0, time.monotonic() + timeout
     while lines < ready and time.monotonic() < deadline:
-        lines += p.stdout.readline().strip() == "ready"
+        # Two ranks print on one pipe: their "ready" and newline writes can interleave ("readyready").
+        lines += p.stdout.readline().count("ready")
     p.send_signal(signal.SIGTERM)  # what the kubelet sends to PID 1 on eviction
     try:
         out, err = p.communicate(timeout=timeout)
