@@ -143,18 +143,8 @@ class Run:
             self._boundary.strategy = chosen
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
-        for o in out:  # strategy ft: the model's replica group member joins the step boundary
-            replica = chosen.replica(o) if isinstance(o, nn.Module) else None
-            if replica is not None:
-                if self._boundary.replica is not None:
-                    raise UserError("a second model was prepared with strategy ft: each would have its own quorum",
-                                    "wrap the models in one nn.Module and prepare that once")
-                replica_steps.attach(self._boundary, replica)
-        if models and self.ctx.env.replica_groups > 1 and self._boundary.replica is None:
-            raise UserError(f"this process is replica group {self.ctx.env.replica_group} of {self.ctx.env.replica_groups}, "
-                            f"and its model was prepared with strategy {chosen.name}, which nothing averages across the "
-                            f"groups: each would train a model of its own on 1/{self.ctx.env.replica_groups} of the data",
-                            "pass strategy='ft' to run.prepare (--strategy ft), or launch without python -m ddp_kit.launch ft")
+        if models:  # strategy ft: the model's replica group member joins the step boundary
+            replica_steps.attach_models(self._boundary, chosen, [o for o in out if isinstance(o, nn.Module)])
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._boundary.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)

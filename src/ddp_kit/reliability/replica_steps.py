@@ -43,7 +43,26 @@ def attach(b: Boundary, replica: Replica) -> None:
     b.on_log.append(lambda record: record.update(_window(b)))
     for optimizer in b.optimizers:  # registered before the model was prepared
         replica.gate(optimizer)
-    b.replica_seen = {"last_commit_t": None, "usual_s": None, "recovered_at": None, "check_next": False}
+    b.replica_seen = {"last_commit_t": None, "usual_s": None, "check_next": False}
+
+
+def attach_models(b: Boundary, chosen: Any, models: list) -> None:
+    """After run.prepare wrapped `models` with `chosen`: attach the replica member of a fault-tolerant
+    strategy's model; refuse a second one, and a strategy that nothing averages across replica groups."""
+    env = b.ctx.env
+    for model in models:
+        replica = chosen.replica(model)
+        if replica is None:
+            continue
+        if b.replica is not None:
+            raise UserError("a second model was prepared with strategy ft: each would have its own quorum",
+                            "wrap the models in one nn.Module and prepare that once")
+        attach(b, replica)
+    if env.replica_groups > 1 and b.replica is None:
+        raise UserError(f"this process is replica group {env.replica_group} of {env.replica_groups}, and its model was "
+                        f"prepared with strategy {chosen.name}, which nothing averages across the groups: each would "
+                        f"train a model of its own on 1/{env.replica_groups} of the data",
+                        "pass strategy='ft' to run.prepare (--strategy ft), or launch without python -m ddp_kit.launch ft")
 
 
 def _take_live_state(b: Boundary, state: dict) -> None:
