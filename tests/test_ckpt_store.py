@@ -442,3 +442,74 @@ def test_run_dir_checks_say_where_local_outputs_stay_and_check_a_ckpt_dir_folder
     with pytest.raises(UserError) as err:  # a ckpt_dir folder is checked as run_dir is
         prepare_run_dir(_alone(), RunDir(tmp_path / "run2", str(tmp_path / "plain_file" / "ck")))
     assert f"ckpt_dir '{tmp_path / 'plain_file' / 'ck'}' is under a regular file" in err.value.line()
+
+
+# ---- a bucket (or folder) that names files outside the step --------------------------------------
+
+FORGED_NAMES = ["../../escaped.pt", "../../../../../../../../../../../../tmp/escaped-up.pt", "/tmp/escaped-abs.pt",
+                "dcp/../../escaped.pt", "a/b/escaped.pt", "..", ""]
+
+
+def _forge(fs, step_path: str, name: str) -> None:
+    """What whoever can write the bucket can do: a manifest that vouches for a file under any name."""
+    manifest = json.loads(fs.cat_file(f"{step_path}/manifest.json"))
+    data = b"payload"
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    fs.pipe_file(f"{step_path}/manifest.json", json.dumps(manifest).encode())
+    if name and not name.startswith("/"):
+        fs.pipe_file(f"{step_path}/{name}", data)  # the object itself too, so sizes and checksums agree
+
+
+@pytest.mark.parametrize("name", FORGED_NAMES)
+def test_a_manifest_naming_a_file_outside_the_step_is_invalid_and_nothing_is_written_outside(tmp_path, name, monkeypatch):
+    import tempfile
+    from pathlib import Path
+
+    from ddp_kit.checkpoint import cli, open_backend
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the node-local cache lives under it
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "out").mkdir()
+    outside = [Path("/tmp/escaped-abs.pt"), Path("/tmp/escaped-up.pt")]
+    for p in outside:
+        p.unlink(missing_ok=True)
+    url = _url()
+    ck = open_backend(url, _alone(), keep_last=0)
+    for step in (1, 2):
+        _save(ck, step)
+    ck.wait()
+    _forge(ck.store.fs, ck.store.path("step_2"), name)
+    before = {p for p in tmp_path.rglob("*")}
+    lines = []
+    found = ck.find("auto", warn=lines.append)
+    assert found.step == 1, lines  # the forged step is not accepted; the one before it is
+    assert len(lines) == 1 and "step_2 is not usable (" in lines[0] and "falling back" in lines[0], lines
+    assert "manifest" in lines[0], lines
+    cli.export(url, tmp_path / "out" / "model.pt")
+    escaped = [p for p in outside if p.exists()] + list(tmp_path.rglob("*escaped*"))
+    assert escaped == [], escaped  # not beside the cache, not anywhere up the tree
+    new = {p for p in tmp_path.rglob("*") if p not in before}
+    assert all(p.is_relative_to(tmp_path / "tmp") or p.is_relative_to(tmp_path / "out") for p in new), new
+    ck.close()
+
+
+@pytest.mark.parametrize("name", ["../escaped.pt", "/etc/hostname"])
+def test_a_folder_checkpoint_whose_manifest_names_a_file_outside_is_invalid(tmp_path, name):
+    from ddp_kit.checkpoint import folder, open_backend
+
+    ck = open_backend(tmp_path / "ck", _alone(), keep_last=0)
+    for step in (1, 2):
+        _save(ck, step)
+    ck.wait()
+    step2 = tmp_path / "ck" / "step_2"
+    target = (step2 / name) if not name.startswith("/") else None
+    if target is not None:
+        target.write_bytes(b"payload")
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    data = target.read_bytes() if target is not None else open(name, "rb").read()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step2 / "manifest.json").write_text(json.dumps(manifest))
+    assert "unsafe manifest" in folder.validate(step2)
+    lines = []
+    assert ck.find("auto", warn=lines.append).step == 1 and "unsafe manifest" in lines[0]
+    ck.close()

@@ -27,9 +27,12 @@ def validate(path: Path) -> str | None:
         return "no manifest (save did not finish)"
     try:
         manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError):
+    except ValueError:
         return "unreadable manifest"
+    unsafe = layout.manifest_problem(manifest)  # a name outside the folder is never opened
+    if unsafe:
+        return unsafe
+    files = manifest["files"]
     for name, want in sorted(files.items()):
         f = path / name
         if not f.is_file():

@@ -45,6 +45,34 @@ ARCHIVE = "archive"  # an object store's archive prefix, under its URL
 PROBE_PREFIX = ".probe."
 
 
+def member_problem(name: object) -> str | None:
+    """Why `name` cannot be a file of a step (a manifest's key), or None when it can: a file of the
+    step or of its dcp/ folder (`model.pt`, `dcp/__0_0.distcp`). Whoever can write a bucket or a
+    folder can write a manifest, and a name like `../../x` or `/x` would make resume and export write
+    or read outside the step's folder; such a step is invalid like any other damaged one."""
+    if not isinstance(name, str) or not name:
+        return "names an empty file"
+    parts = name.split("/")
+    if (len(parts) > 2 or (len(parts) == 2 and parts[0] != DCP) or any(p in ("", ".", "..") for p in parts)
+            or "\\" in name or not name.isprintable()):
+        return f"names {name[:80]!r}, which is not a file inside the step"
+    return None
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """Why a manifest read from storage cannot be trusted to name files (see member_problem), or None."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "unreadable manifest"
+    for name, want in files.items():
+        why = member_problem(name)
+        if why:
+            return f"unsafe manifest: it {why}"
+        if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)):
+            return f"unreadable manifest (the entry of {str(name)[:80]!r} has no size and sha256)"
+    return None
+
+
 def step_name(step: int) -> str:
     """The folder (or key prefix) of step `step`: step_<N>."""
     return f"{STEP_PREFIX}{step}"

@@ -76,11 +76,12 @@ def latest_name(store: Store) -> str:
 
 
 def read_manifest(store: Store, step: int) -> dict | None:
+    """Step `step`'s manifest when it is readable and names only files inside the step, else None."""
     try:
         manifest = json.loads(store.fs.cat_file(store.path(layout.step_name(step), layout.MANIFEST)))
-        return manifest if isinstance(manifest.get("files"), dict) else None
-    except (ValueError, AttributeError, FileNotFoundError):
+    except (ValueError, FileNotFoundError):
         return None
+    return manifest if layout.manifest_problem(manifest) is None else None
 
 
 def check(store: Store, step: int, objects: dict[str, int]) -> tuple[str | None, dict | None]:
@@ -89,9 +90,13 @@ def check(store: Store, step: int, objects: dict[str, int]) -> tuple[str | None,
     name = layout.step_name(step)
     if f"{name}/{layout.MANIFEST}" not in objects:
         return "no manifest (save did not finish)", None
-    manifest = read_manifest(store, step)
-    if manifest is None:
+    try:
+        manifest = json.loads(store.fs.cat_file(store.path(name, layout.MANIFEST)))
+    except (ValueError, FileNotFoundError):
         return "unreadable manifest", None
+    unsafe = layout.manifest_problem(manifest)
+    if unsafe:
+        return unsafe, None
     for rel, want in sorted(manifest["files"].items()):
         have = objects.get(f"{name}/{rel}")
         if have is None:
@@ -104,7 +109,11 @@ def check(store: Store, step: int, objects: dict[str, int]) -> tuple[str | None,
 def fetch(store: Store, step_url: str, dest: Path, manifest: dict, want: Callable[[str], bool] | None = None) -> str | None:
     """Download step `step_url` (its manifest and the files `want` admits, default all) into the empty
     folder `dest` and verify each file's checksum there; None when it is sound, else why not.
-    A step fetched whole is then checked as any local step folder (folder.validate, safe loading)."""
+    A step fetched whole is then checked as any local step folder (folder.validate, safe loading).
+    Nothing is written before every name in the manifest is known to stay inside `dest`."""
+    unsafe = layout.manifest_problem(manifest)
+    if unsafe:
+        return unsafe
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     (dest / layout.MANIFEST).write_text(json.dumps(manifest))
