@@ -256,3 +256,49 @@ def test_malformed_nodelist_is_one_line_naming_it(text):
     assert repr(text) in e.value.message and "\n" not in e.value.line()
     with pytest.raises(UserError):
         detect({**SLURM_SRUN, "SLURM_JOB_NODELIST": text})
+
+
+# ---- detection against peers' own tests (issue 34) --------------------------------------------------------
+
+# Lightning's SLURM tests: test_main_address_from_slurm_node_list (tests/tests_fabric/plugins/environments/
+# test_slurm.py) and the SLURM_NODELIST "1.1.1.1, 1.1.1.2" of its test_attributes_from_environment_variables.
+# Blanks separate hosts as commas do; inside brackets they only follow a comma.
+@pytest.mark.parametrize("text,hosts", [
+    ("alpha beta gamma", ["alpha", "beta", "gamma"]),
+    ("alpha, host[5-9], gamma", ["alpha", "host5", "host6", "host7", "host8", "host9", "gamma"]),
+    ("1.2.3.[089, 100-110]", ["1.2.3.089"] + [f"1.2.3.{n}" for n in range(100, 111)]),  # 089's padding kept
+    ("alpha[3,1], beta", ["alpha3", "alpha1", "beta"]),
+    ("1.1.1.1, 1.1.1.2", ["1.1.1.1", "1.1.1.2"]),
+])
+def test_nodelist_with_blanks_as_lightning_parses_it(text, hosts):
+    assert expand_nodelist(text) == hosts
+    env = detect({**SLURM_SRUN, "SLURM_JOB_NODELIST": text})
+    assert env.hosts == tuple(hosts) and env.master_addr == hosts[0]  # Lightning's expected main address
+
+
+def test_slurm_ntasks_per_node_and_nnodes_alone():
+    # `sbatch --nodes=2 --ntasks-per-node=4` exports SLURM_NTASKS_PER_NODE and SLURM_NNODES (the older name of
+    # SLURM_JOB_NUM_NODES), the two that Lightning's SLURMEnvironment.validate_settings and fairseq's
+    # distributed/utils.py (infer_init_method) read.
+    task = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2"}
+    env = detect(task)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank, env.num_nodes) == (
+        5, 1, 8, 4, 1, 2)
+    # submitit's exported variables in the same task (env_vars.py) read the same count
+    submitit = detect({**task, "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "n1",
+                       "MASTER_PORT": "23456"})
+    assert (submitit.local_world_size, submitit.node_rank, submitit.num_nodes) == (4, 1, 2)
+
+
+def test_torchrun_mark_alone_names_the_missing_variables():
+    # torch.distributed.is_torchelastic_launched() is TORCHELASTIC_RUN_ID alone; Lightning's
+    # TorchElasticEnvironment then raises on WORLD_SIZE (tests_fabric/plugins/environments/test_torchelastic.py,
+    # test_default_attributes).
+    with pytest.raises(UserError) as e:
+        detect({"TORCHELASTIC_RUN_ID": "none"})
+    assert "WORLD_SIZE" in e.value.message and "TORCHELASTIC_RUN_ID" in e.value.message
+    assert "torchrun" in e.value.hint and "\n" not in e.value.line()
+    with pytest.raises(UserError) as e:
+        detect({k: v for k, v in TORCHRUN.items() if k != "WORLD_SIZE"})
+    assert "WORLD_SIZE" in e.value.message and "RANK," not in e.value.message

@@ -63,7 +63,7 @@ def pytorchjob_pod(rank, replicas=2, nproc="1"):
     """kubeflow/training-operator pkg/controller.v1/pytorch/envvar.go setPodEnv and master.go:
     MASTER_ADDR `<job>-master-0`, MASTER_PORT (the pytorchjob-port, 23456), WORLD_SIZE = replicas x
     nprocPerNode (1 for auto), RANK = pod index (Worker i is i + 1), PET_NPROC_PER_NODE, PET_NODE_RANK
-    = RANK, PET_NNODES = replicas, PYTHONUNBUFFERED=0; since v1.8 PET_MASTER_ADDR/PORT = MASTER_*."""
+    = RANK, PET_NNODES = replicas, PYTHONUNBUFFERED; since v1.7 PET_MASTER_ADDR/PORT = MASTER_*."""
     per = int(nproc) if nproc.isdigit() else 1
     return {**POD, "PYTHONUNBUFFERED": "0", "MASTER_PORT": "23456", "MASTER_ADDR": "mnist-master-0",
             "PET_MASTER_PORT": "23456", "PET_MASTER_ADDR": "mnist-master-0",
@@ -72,7 +72,9 @@ def pytorchjob_pod(rank, replicas=2, nproc="1"):
 
 
 def without_pet_master(pod):
-    """The v1.7 operator: PET_NPROC_PER_NODE, PET_NODE_RANK, PET_NNODES but no PET_MASTER_*."""
+    """PET_NPROC_PER_NODE, PET_NODE_RANK, PET_NNODES but no PET_MASTER_*: no released operator sets this
+    (v1.7.0 added PET_MASTER_* together with nprocPerNode, training-operator #1840, master.go), but the
+    layout must not hang on PET_MASTER_*."""
     return {k: v for k, v in pod.items() if not k.startswith("PET_MASTER_")}
 
 
@@ -95,6 +97,19 @@ def test_pytorchjob_before_nproc_per_node_one_process_per_pod():
     # the same variables outside a pod are a user's own env:// launch, all ranks on this one node, as before
     by_hand = {k: v for k, v in old.items() if not k.startswith("KUBERNETES_")}
     assert detect(by_hand).launcher == "env" and detect(by_hand).local_rank == 1
+
+
+@pytest.mark.parametrize("marks", [{"KUBERNETES_PORT": "tcp://127.0.0.1:443"}, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"},
+                                   {"KUBERNETES_PORT": "tcp://10.96.0.1:443", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}])
+def test_a_pod_lightning_takes_for_kubeflow_is_one_process_per_pod(marks):
+    """Lightning's KubeflowEnvironment.detect() asks KUBERNETES_PORT, MASTER_ADDR, MASTER_PORT, WORLD_SIZE
+    and RANK (src/lightning/fabric/plugins/environments/kubeflow.py); its test_attributes_from_environment_
+    variables (tests_fabric/plugins/environments/test_kubeflow.py): world 20, rank 1 -> local rank 0, node
+    rank 1. The kubelet sets both KUBERNETES_PORT and KUBERNETES_SERVICE_HOST (pkg/kubelet/envvars); either
+    marks a pod."""
+    env = detect({**marks, "MASTER_ADDR": "1.2.3.4", "MASTER_PORT": "500", "WORLD_SIZE": "20", "RANK": "1"})
+    assert layout(env) == (1, 0, 20, 1, 1, 20) and (env.master_addr, env.master_port) == ("1.2.3.4", 500)
+    assert env.engine == "Kubernetes" and env.restarted_by_engine and env.requeue_command is None
 
 
 def test_pytorchjob_torchrun_in_each_pod():
@@ -172,6 +187,38 @@ def test_volcano_what_cannot_be_derived_is_refused(pod):
     with pytest.raises(UserError) as e:
         detect(pod)
     assert "pytorch plugin" in e.value.hint and "\n" not in e.value.line()
+
+
+def test_volcano_one_task_without_the_env_plugin_takes_its_place_from_the_hostname():
+    """svc.go OnPodCreate sets the pod's hostname to its name, `<job>-<task>-<i>` (helpers.MakePodName),
+    and VC_<TASK>_HOSTS; without the env plugin (env/env.go) there is no VC_TASK_INDEX."""
+    for i in range(3):
+        env = detect({**POD, **volcano_hosts(master=0, workers=3), "HOSTNAME": f"vj-worker-{i}"})
+        assert layout(env) == (i, 0, 3, 1, i, 3) and env.master_addr == "vj-worker-0.vj"
+
+
+@pytest.mark.parametrize("hostname", ["", "pod", "vj-worker-7"])
+def test_volcano_one_task_without_index_or_listed_hostname_is_refused_naming_the_env_plugin(hostname):
+    with pytest.raises(UserError) as e:
+        detect({**POD, **volcano_hosts(master=0, workers=3), "HOSTNAME": hostname})
+    assert "`env` plugin" in e.value.hint and "\n" not in e.value.line()
+
+
+@pytest.mark.parametrize("index", [None, "0", "1", "2"])
+def test_volcano_task_template_hostname_is_refused_on_every_pod(index):
+    """svc.go GenerateHosts lists a template's `hostname` once (VC_<TASK>_NUM=1) whatever the replicas, and
+    every pod of the task carries that hostname: no pod can tell its place, pod 0 included."""
+    pod = {**POD, "VC_WORKER_HOSTS": "trainer.vj", "VC_WORKER_NUM": "1", "HOSTNAME": "trainer"}
+    if index is not None:
+        pod |= {"VC_TASK_INDEX": index, "VK_TASK_INDEX": index}
+    with pytest.raises(UserError) as e:
+        detect(pod)
+    assert "hostname" in e.value.message and "pytorch plugin" in e.value.hint and "\n" not in e.value.line()
+    with pytest.raises(UserError):  # a master task with a template hostname beside default workers
+        detect({**POD, **volcano_hosts(master=0), "VC_MASTER_HOSTS": "master.vj", "VC_MASTER_NUM": "1",
+                "HOSTNAME": "master"})
+    # under the pytorch plugin or torchrun the ranks come from them: nothing to refuse
+    assert detect({**pod, "MASTER_ADDR": "trainer.vj", "WORLD_SIZE": "3", "RANK": "0"}).world_size == 3
 
 
 def test_volcano_single_pod_and_torchrun_in_each_pod():

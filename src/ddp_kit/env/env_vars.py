@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .base import DistEnv, int_var, node_layout
-from .slurm import tasks_on_node
+from .slurm import tasks_per_node
 
 NAME = "env"
 
@@ -51,5 +51,4 @@ def _srun_task(environ: Mapping[str, str], rank: int) -> tuple[int, int, int | N
     if environ.get("SLURM_PROCID") != str(rank) or not environ.get("SLURM_NODEID", "").isdigit():
         return None
     node = int(environ["SLURM_NODEID"])
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    return int_var(environ, "SLURM_LOCALID", 0), node, tasks_on_node(per_node, node) if per_node else None
+    return int_var(environ, "SLURM_LOCALID", 0), node, tasks_per_node(environ, node)

@@ -6,7 +6,7 @@ PET_NODE_RANK (the Indexed Job's completion index, through the downward API), PE
 (`<trainjob>-node-0-0.<trainjob>`, the JobSet's headless Service) and PET_MASTER_PORT (29500).
 The mark is PET_MASTER_ADDR in JobSet's pod naming (`<jobset>-<replicatedJob>-<job>-<pod>.<subdomain>`)
 or JOB_COMPLETION_INDEX (the Job controller's, in every Indexed Job pod): PyTorchJob v1 sets the same
-PET_* names (v1.8 PET_MASTER_ADDR too), but its master is `<job>-master-0` and its pods are no Job's.
+PET_* names (PET_MASTER_ADDR too, since v1.7), but its master is `<job>-master-0` and its pods are no Job's.
 
 Under torchrun (the usual case) the torchrun file reads the workers' variables and `around` only
 names the engine. Without torchrun, one process per pod (PET_NPROC_PER_NODE=1) is read here: rank =

@@ -1,8 +1,9 @@
 """What every Kubernetes pod shows, and the one-process-per-pod layout the operators share. Not a
 launcher: the operators' files (kubeflow_trainer, pytorchjob, volcano) use it.
 
-The kubelet puts KUBERNETES_SERVICE_HOST into every container of every pod (the API server's
-Service), whatever created the pod: it tells a pod apart from a host. `around` names a pod that no
+The kubelet puts the API server's Service into every container of every pod as KUBERNETES_SERVICE_HOST,
+KUBERNETES_PORT, ... (pkg/kubelet/envvars), whatever created the pod: either tells a pod apart from a
+host (Lightning's KubeflowEnvironment asks KUBERNETES_PORT). `around` names a pod that no
 operator's file names ("Kubernetes") and marks it as restarted by the engine: in a pod nothing but
 Kubernetes (its restart policy, the Job's podFailurePolicy, an operator) restarts the process.
 """
@@ -19,7 +20,7 @@ ENGINE = "Kubernetes"
 
 
 def in_pod(environ: Mapping[str, str]) -> bool:
-    return bool(environ.get("KUBERNETES_SERVICE_HOST"))
+    return bool(environ.get("KUBERNETES_SERVICE_HOST") or environ.get("KUBERNETES_PORT"))
 
 
 def around(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:

@@ -4,9 +4,10 @@ What the operator sets, from kubeflow/training-operator pkg/controller.v1/pytorc
 (setPodEnv) and master.go: MASTER_ADDR=`<job>-master-0` (the Master's Service), MASTER_PORT (the
 container port named pytorchjob-port, 23456 by default), RANK = the pod's index (Master 0, Worker i
 is i + 1), WORLD_SIZE = replicas x nprocPerNode, and for torchrun PET_NPROC_PER_NODE, PET_NODE_RANK
-(= RANK) and PET_NNODES (replicas; a range like 1:4 and PET_RDZV_* with an elasticPolicy), since v1.8
-PET_MASTER_ADDR and PET_MASTER_PORT (= MASTER_*) as well. Operators before nprocPerNode (v1.6 and
-older) set only MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK.
+(= RANK) and PET_NNODES (replicas; a range like 1:4 and PET_RDZV_* with an elasticPolicy), and
+PET_MASTER_ADDR and PET_MASTER_PORT (= MASTER_*) as well: all from v1.7, which added nprocPerNode
+(training-operator #1840). Operators before nprocPerNode (v1.6 and older) set only MASTER_ADDR,
+MASTER_PORT, WORLD_SIZE and RANK.
 
 Marks: PET_NODE_RANK or PET_NNODES in a pod that is not Trainer v2's (kubeflow_trainer.mine), or,
 for the older operators, a pod (pod.in_pod) with RANK and WORLD_SIZE but no LOCAL_RANK. Three layouts:

@@ -40,15 +40,16 @@ def detect(environ: Mapping[str, str]) -> DistEnv | None:
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
     hosts = tuple(expand_nodelist(nodelist)) if nodelist else ()
     node_id = int_var(environ, "SLURM_NODEID", 0)
-    tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     world = int_var(environ, "SLURM_STEP_NUM_TASKS", int_var(environ, "SLURM_NTASKS", 1))
+    # the job's nodes (SLURM_NNODES is the older name of SLURM_JOB_NUM_NODES), else the host list's
+    job_nodes = int_var(environ, "SLURM_JOB_NUM_NODES", int_var(environ, "SLURM_NNODES", max(1, len(hosts))))
     return DistEnv(
         rank=int_var(environ, "SLURM_PROCID"),
         local_rank=int_var(environ, "SLURM_LOCALID", 0),
         world_size=world,
-        local_world_size=tasks_on_node(tasks_per_node, node_id) if tasks_per_node else world,
+        local_world_size=tasks_per_node(environ, node_id) or world,
         node_rank=node_id,
-        num_nodes=int_var(environ, "SLURM_STEP_NUM_NODES", int_var(environ, "SLURM_JOB_NUM_NODES", max(1, len(hosts)))),
+        num_nodes=int_var(environ, "SLURM_STEP_NUM_NODES", job_nodes),
         # A user-set MASTER_ADDR/PORT wins: clusters with a separate fabric name need it.
         master_addr=environ.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
         master_port=int_var(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else slurm_port(job_id),
@@ -100,37 +101,39 @@ def slurm_port(job_id: str) -> int:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand a SLURM host list such as `gpu[01-03,07],cpu5` into every host name, in order; a list
-    that is not one (`n[1-,4]`, `n[3-1]`, `n[1-2`) is refused by name."""
-    if not re.fullmatch(_NODELIST, nodelist.strip()) or any(
-            int(lo) > int(hi) for lo, hi in re.findall(r"(\d+)-(\d+)", "".join(re.findall(r"\[[^\]]*\]", nodelist)))):
+    that is not one (`n[1-,4]`, `n[3-1]`, `n[1-2`) is refused by name. Blanks separate names as
+    commas do (`alpha beta`, `alpha, host[5-9]`, `1.2.3.[089, 100-110]`: Lightning parses these)."""
+    text = re.sub(r"\s*,\s*", ",", nodelist.strip())  # a blank beside a comma is part of that separator
+    if not re.fullmatch(_NODELIST, text) or any(
+            int(lo) > int(hi) for lo, hi in re.findall(r"(\d+)-(\d+)", "".join(re.findall(r"\[[^\]]*\]", text)))):
         raise UserError(f"cannot parse the SLURM node list {nodelist!r}",
                         "check SLURM_JOB_NODELIST / SLURM_STEP_NODELIST (expected e.g. gpu[01-04,07],cpu5)")
     hosts: list[str] = []
-    for item in _split_top_level(nodelist.strip()):
-        if item:
-            hosts.extend(_expand_one(item))
+    for item in _split_top_level(text):
+        hosts.extend(_expand_one(item))
     return hosts
 
 
-# A host list as SLURM writes it: names joined by commas, each of plain parts and bracketed
-# ranges (`01-03`) or numbers, no empty or open range, no bracket left open.
+# A host list as SLURM writes it: names joined by commas (or blanks), each of plain parts and
+# bracketed ranges (`01-03`) or numbers, no empty or open range, no bracket left open.
 _RANGES = r"\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\]"
 _NAME = rf"(?:[^\[\],\s]|{_RANGES})+"
-_NODELIST = rf"{_NAME}(?:,{_NAME})*"
+_NODELIST = rf"{_NAME}(?:(?:,|\s+){_NAME})*"
 
 
 def _split_top_level(text: str) -> list[str]:
+    """The names of a checked host list: split at commas and blanks outside brackets."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         if ch == "[":
             depth += 1
         elif ch == "]":
             depth -= 1
-        elif ch == "," and depth == 0:
+        elif (ch == "," or ch.isspace()) and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     parts.append(text[start:])
-    return parts
+    return [part for part in parts if part]
 
 
 def _expand_one(item: str) -> list[str]:
@@ -149,14 +152,22 @@ def _expand_one(item: str) -> list[str]:
     return [head + name + rest for name in names for rest in _expand_one(tail)]
 
 
-def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+def tasks_per_node(environ: Mapping[str, str], node_id: int) -> int | None:
+    """The tasks on node `node_id` as the step, the job or `--ntasks-per-node` (SLURM_NTASKS_PER_NODE,
+    all that some batch scripts show) says; None when none of them is set."""
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        if environ.get(key):
+            return tasks_on_node(environ[key], node_id, key)
+    return None
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int, key: str = "SLURM_TASKS_PER_NODE") -> int:
     """Parse SLURM_TASKS_PER_NODE, e.g. `2(x3),1`, and return the count for node `node_id`."""
     counts: list[int] = []
     for part in tasks_per_node.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not m:
-            raise UserError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}",
-                            "check the sbatch/srun task options")
+            raise UserError(f"cannot parse {key}={tasks_per_node!r}", "check the sbatch/srun task options")
         counts.extend([int(m.group(1))] * int(m.group(2) or 1))
     return counts[min(node_id, len(counts) - 1)]
 

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..errors import UserError
 from .base import DistEnv, int_var, node_layout
 
 NAME = "torchrun"
+_WORKER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")  # what torchrun sets in every worker it starts
 
 
 def detect(environ: Mapping[str, str]) -> DistEnv | None:
     """This worker's place, or None when torchrun did not start it."""
     if "TORCHELASTIC_RUN_ID" not in environ:
         return None
+    missing = [key for key in _WORKER_VARS if not environ.get(key)]
+    if missing:  # torch's own test (is_torchelastic_launched) asks TORCHELASTIC_RUN_ID alone
+        raise UserError(f"TORCHELASTIC_RUN_ID (torchrun's mark) is set but {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not",
+                        "start the script with torchrun, which sets them all, or unset TORCHELASTIC_RUN_ID")
     rank, local_rank, world = int_var(environ, "RANK"), int_var(environ, "LOCAL_RANK"), int_var(environ, "WORLD_SIZE")
     local_world, node, nodes = node_layout(environ, rank, local_rank, world)
     return DistEnv(
