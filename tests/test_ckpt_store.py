@@ -42,7 +42,7 @@ def url(request, tmp_path):
     return _url(tmp_path if request.param == "file" else None)
 
 
-def test_commit_uploads_every_object_then_the_manifest_then_latest(url):
+def test_commit_uploads_every_object_then_latest_then_the_manifest(url):
     import fsspec.implementations.memory as memory
 
     from ddp_kit.checkpoint import layout, open_backend
@@ -64,8 +64,8 @@ def test_commit_uploads_every_object_then_the_manifest_then_latest(url):
     ck = ObjectStoreCheckpointer(_alone(), Store(fs, "/rec/run", "memory://rec/run"))
     _save(ck, 5)
     ck.wait()
-    names = [n for n in Recording.order if not n.startswith(layout.PROBE_PREFIX)]
-    assert names[-2:] == ["manifest.json", "latest"], names
+    names = [n for n in Recording.order if not n.startswith((layout.PROBE_PREFIX, layout.LEASE_PREFIX))]
+    assert names[-2:] == ["latest", "manifest.json"], names
     assert set(names[:-2]) == {"model.pt", "train_state.pt", "meta.json", "rank0.pt"}
     manifest = json.loads(fs.cat_file("/rec/run/step_5/manifest.json"))
     for name, want in manifest["files"].items():  # the manifest vouches for exactly the bytes on the store
@@ -128,15 +128,16 @@ def test_find_falls_back_past_a_damaged_newest_step_in_one_line(url, damage, sai
 
 
 def test_a_crash_leaves_only_objects_no_manifest_vouches_for_and_the_next_save_removes_them(url):
-    from ddp_kit.checkpoint import layout, open_backend
+    from ddp_kit.checkpoint import layout, open_backend, store
 
     ck = open_backend(url, _alone(), keep_last=2)
     for step in (1, 2, 3, 4):
         _save(ck, step)
     ck.wait()
     fs, path = ck.store.fs, ck.store.path
-    # what killed saves leave: a step's objects without its manifest (below and above `latest`), an
-    # object of an earlier attempt inside a committed step, a startup probe
+    # what killed saves leave: a step's objects without its manifest (below and above `latest`: above
+    # it, it may be another writer's upload in flight, so it stays), an object of an earlier attempt
+    # inside a committed step, a startup probe
     for orphan in (9, 0):
         fs.pipe_file(path(f"step_{orphan}", "rank0.pt"), b"half")
     fs.pipe_file(path("step_4", "rank7.pt"), b"an earlier attempt's")
@@ -145,13 +146,18 @@ def test_a_crash_leaves_only_objects_no_manifest_vouches_for_and_the_next_save_r
     _save(ck, 5)
     ck.wait()
     objects = _objects(ck)
-    assert sorted({r.split("/")[0] for r in objects}) == ["latest", "step_4", "step_5"]  # keep_last 2, nothing else
-    assert "step_4/rank7.pt" not in objects
-    # a save killed between the manifest and `latest`: complete, but above `latest`, so never resumed
+    assert sorted({r.split("/")[0] for r in objects}) == ["latest", "step_4", "step_5", "step_9"]  # keep_last 2
+    assert "step_4/rank7.pt" not in objects and list(store.by_step(objects)[9]) == ["step_9/rank0.pt"]
+    # a save killed between `latest` and the manifest: `latest` names an incomplete step; resume falls
+    # back to the one before, and the next save of that step replaces it
     _save(ck, 6)
     ck.wait()
-    fs.pipe_file(path("latest"), b"step_5\n")
-    assert ck.find("auto", warn=pytest.fail).step == 5
+    fs.rm_file(path("step_6", "manifest.json"))
+    lines = []
+    assert ck.find("auto", warn=lines.append).step == 5 and "step_6 is not usable (no manifest" in lines[0]
+    _save(ck, 6)
+    ck.wait()
+    assert ck.find("auto", warn=pytest.fail).step == 6
     ck.close()
 
 
@@ -512,4 +518,116 @@ def test_a_folder_checkpoint_whose_manifest_names_a_file_outside_is_invalid(tmp_
     assert "unsafe manifest" in folder.validate(step2)
     lines = []
     assert ck.find("auto", warn=lines.append).step == 1 and "unsafe manifest" in lines[0]
+    ck.close()
+
+
+# ---- one writer per location: the lease ------------------------------------------------------------
+
+def _other_job(host="node-b", pid=4242, job_id="other", renewed_ago=0.0, ttl_s=60.0):
+    import time
+
+    return {"host": host, "pid": pid, "job_id": job_id, "batch_job_id": None, "generation": 1,
+            "renewed": time.time() - renewed_ago, "ttl_s": ttl_s}
+
+
+def test_a_second_job_on_one_url_is_refused_in_one_line_before_it_writes_anything(url):
+    from ddp_kit.checkpoint import open_backend
+    from ddp_kit.errors import UserError
+
+    first = open_backend(url, _alone(), keep_last=0)
+    _save(first, 1)
+    first.wait()
+    before = _objects(first)
+    # the same command on another machine: another host, its own job id (torchrun's is random per job)
+    second = open_backend(url, _alone())
+    import ddp_kit.checkpoint.lease as lease
+    me = lease.identity("job-b", None)
+    with pytest.raises(UserError) as err:
+        lease.acquire(second.store, {**me, "host": "node-b"})
+    line = err.value.line()
+    assert f"checkpoint location {url!r} is in use by another job (host " in line and "pid" in line, line
+    assert "give this job its own ckpt_dir" in line and "\n" not in line
+    assert _objects(first) == before  # refused before it wrote a thing
+    # the first job still commits, and at its end releases the location
+    _save(first, 2)
+    first.close()
+    assert not [r for r in _objects(second) if r.startswith(lease.LEASE_PREFIX)]
+    assert lease.acquire(second.store, {**me, "host": "node-b"}) >= 1
+    second.close()
+
+
+@pytest.mark.parametrize("holder,taken", [
+    (dict(renewed_ago=120.0), True),  # stopped renewing for longer than its ttl
+    (dict(renewed_ago=5.0), False),  # alive elsewhere
+    (dict(host=None, pid=2**22 + 12345, renewed_ago=1.0), True),  # a dead process on this host
+    (dict(job_id="mine", renewed_ago=1.0), True),  # an earlier attempt of this job (restart, requeue)
+])
+def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder, taken):
+    import socket
+
+    from ddp_kit.checkpoint import lease, store_fs
+    from ddp_kit.errors import UserError
+
+    where = store_fs.open_store(_url())
+    record = _other_job(**{**holder, "host": holder.get("host", "node-b") or socket.gethostname()})
+    where.fs.pipe_file(where.path(lease.lease_name(1)), json.dumps(record).encode())
+    me, said = lease.identity("mine", None), []
+    if taken:
+        assert lease.acquire(where, me, say=said.append) == 2
+        assert lease.newest(where)[1]["pid"] == me["pid"]
+        assert not where.fs.exists(where.path(lease.lease_name(1)))
+    else:
+        with pytest.raises(UserError, match="is in use by another job"):
+            lease.acquire(where, me)
+
+
+def test_two_jobs_racing_for_one_generation_leave_exactly_one_holder():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddp_kit.checkpoint import lease, store_fs
+    from ddp_kit.errors import UserError
+
+    where = store_fs.open_store(_url())
+
+    def try_(i):
+        try:
+            return lease.acquire(where, {**lease.identity(f"job{i}", None), "host": f"node{i}"})
+        except UserError:
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        won = [g for g in pool.map(try_, range(8)) if g is not None]
+    assert won == [1], won
+
+
+def test_a_job_taken_over_stops_at_its_next_commit_without_writing_it(url):
+    from ddp_kit.checkpoint import lease, open_backend
+    from ddp_kit.errors import UserError
+
+    ck = open_backend(url, _alone(), keep_last=0)
+    _save(ck, 1)
+    ck.wait()
+    # another job took the location after this one stopped renewing (a frozen node)
+    ck.store.fs.pipe_file(ck.store.path(lease.lease_name(ck._lease.generation + 1)),
+                          json.dumps(_other_job()).encode())
+    with pytest.raises(UserError) as err:
+        _save(ck, 2)
+        ck.wait()
+    assert "another job took over checkpoint location" in err.value.line() and "node-b" in err.value.line()
+    assert ck.latest() == 1 and not [r for r in _objects(ck) if r.startswith("step_2/manifest")]
+    ck.close()
+    assert ck.store.fs.exists(ck.store.path(lease.lease_name(2)))  # not ours to release
+
+
+def test_prune_leaves_every_step_above_its_own_latest_alone(url):
+    from ddp_kit.checkpoint import open_backend, store
+
+    ck = open_backend(url, _alone(), keep_last=1)
+    for step in (1, 2):
+        _save(ck, step)
+    ck.wait()
+    # another writer's upload in flight above this job's latest, and a complete step above it
+    ck.store.fs.pipe_file(ck.store.path("step_9", "model.pt"), b"uploading")
+    store.prune(ck.store, 2, 1)
+    assert "step_9/model.pt" in _objects(ck)
     ck.close()

@@ -233,6 +233,85 @@ def test_sigterm_uploads_the_checkpoint_before_exit_75(s3, bucket, tmp_path):
     assert not list(run_dir.rglob(layout.STEP_PREFIX + "*"))  # no checkpoint on the local disk
 
 
+# ---- one writer per URL, and a bucket that names files outside the step --------------------------
+
+def test_a_second_job_on_one_url_is_refused_then_takes_over_once_the_first_is_dead(s3, bucket, tmp_path):
+    """Job A trains (slowed) with its checkpoints in the bucket. Job B, the same command with its own
+    run_dir (as on another machine), is refused in one line and exits 2 without writing a key; A's
+    objects are as A left them. After A is SIGKILLed (its lease is left behind, unreleased), B's rerun
+    takes the location over (A's process is gone), says so, and resumes from A's `latest`."""
+    env = s3.env()
+    args = ["-m", "ddp_kit.train", "--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5",
+            "--ckpt_dir", url(bucket)]
+    a = subprocess.Popen([sys.executable, *args, "--run_dir", str(tmp_path / "a"), "--inject", "slow:rank=0:step=1:ms=400"],
+                         cwd=ROOT, env=proc_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # 44 steps of 0.4 s: A outlives B's refusal
+    try:
+        wait_for("job A's first commit", lambda: latest(s3, bucket), a)
+        lease = [k for k in s3.keys(bucket, PREFIX + "/") if k.startswith(f"{PREFIX}/{layout.LEASE_PREFIX}")]
+        assert len(lease) == 1, s3.keys(bucket, PREFIX + "/")
+        b = run_cmd([sys.executable, *args, "--run_dir", str(tmp_path / "b")], env=env, timeout=120)
+        assert b.returncode == 2, b.stderr[-3000:]
+        errs = [ln for ln in b.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
+        assert len(errs) == 1 and "is in use by another job" in errs[0] and f"pid {a.pid}" in errs[0], b.stderr[-3000:]
+        assert not (tmp_path / "b" / "metrics.jsonl").exists() or "step" not in (tmp_path / "b" / "metrics.jsonl").read_text()
+        assert a.poll() is None, "job A stopped while B was refused"
+        before = latest(s3, bucket)
+        os.killpg(a.pid, signal.SIGKILL)
+        a.wait()
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    committed, _ = committed_and_orphans(s3, bucket)
+    assert latest(s3, bucket) >= before and committed, s3.keys(bucket, PREFIX + "/")
+    resumed_from = latest(s3, bucket)
+    again = ok(run_cmd([sys.executable, *args, "--run_dir", str(tmp_path / "b")], env=env, timeout=180))
+    assert f"taking over checkpoint location {url(bucket)} from process {a.pid} on this host" in again.stderr, (
+        again.stdout[-3000:] + again.stderr[-3000:])
+    assert read_json(tmp_path / "b" / "summary.json")["resumed_from_step"] == resumed_from
+    assert not [k for k in s3.keys(bucket, PREFIX + "/") if k.startswith(f"{PREFIX}/{layout.LEASE_PREFIX}")]  # released
+
+
+def test_a_manifest_in_the_bucket_naming_a_file_outside_the_step_writes_nothing_outside(s3, bucket, tmp_path):
+    """Whoever can write the bucket rewrites the newest step's manifest to name `../../../escaped.pt`
+    (and puts that key: S3 keys may contain `../`), sizes and checksums agreeing. Resume and
+    `checkpoint export` call that step invalid in one line and use the one before; no file named
+    escaped.pt appears anywhere under the processes' temp folder or the test's folder."""
+    env = {**s3.env(), "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    # an earlier attempt's multipart upload, killed midway: rank 0 aborts it once it holds the lease
+    client = s3.client()
+    mpu = client.create_multipart_upload(Bucket=bucket, Key=f"{PREFIX}/step_5/model.pt")
+    client.upload_part(Bucket=bucket, Key=f"{PREFIX}/step_5/model.pt", UploadId=mpu["UploadId"], PartNumber=1, Body=b"x" * 1024)
+    args = [sys.executable, "-m", "ddp_kit.train", "--epochs", "1", "--max_steps", "10", "--ckpt_every", "5",
+            "--progress", "false", "--log_every", "5", "--ckpt_dir", url(bucket), "--run_dir", str(tmp_path / "run")]
+    ok(run_cmd(args, env=env))
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=PREFIX + "/").get("Uploads", []) == []
+
+    def forge(step: int) -> None:
+        name = "../../../escaped.pt"
+        step_key = f"{PREFIX}/{layout.step_name(step)}"
+        manifest = json.loads(read(s3, bucket, f"{step_key}/{layout.MANIFEST}"))
+        body = b"what an attacker writes"
+        manifest["files"][name] = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+        s3.client().put_object(Bucket=bucket, Key=f"{step_key}/{name}", Body=body)
+        s3.client().put_object(Bucket=bucket, Key=f"{step_key}/{layout.MANIFEST}", Body=json.dumps(manifest).encode())
+
+    forge(10)
+    rerun = ok(run_cmd([*args[:-4], "--max_steps", "12", *args[-4:]], env=env))
+    text = rerun.stdout + rerun.stderr
+    said = [ln for ln in text.splitlines() if "step_10 is not usable" in ln]
+    assert len(said) == 1 and "unsafe manifest" in said[0], text[-4000:]
+    assert read_json(tmp_path / "run" / "summary.json")["resumed_from_step"] == 5
+    forge(12)
+    out = tmp_path / "model.pt"
+    exported = ok(run_cmd([sys.executable, "-m", "ddp_kit.checkpoint", "export", url(bucket), "--out", str(out)], env=env))
+    text = exported.stdout + exported.stderr
+    assert "step_12 is not usable (unsafe manifest" in text and "exporting step_10 instead" in text and out.exists(), text
+    assert list(tmp_path.rglob("escaped.pt")) == []
+
+
 # ---- two hosts, their own disks, one bucket ------------------------------------------------------
 
 @pytest.fixture

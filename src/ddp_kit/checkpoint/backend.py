@@ -11,7 +11,9 @@ What every backend must guarantee (the readers rely on nothing else):
   file it names is there with the size and sha256 it records. Readers (find, the CLI) trust nothing
   else, so a crash at any point of a save leaves at most files that no manifest vouches for. A folder
   gets this by writing into a temporary name and renaming it; a store without rename (an object
-  store) writes every object under the step's prefix, then the manifest, then the `latest` pointer.
+  store) writes every object under the step's prefix, then the `latest` pointer, then the manifest.
+  Both point `latest` before the step becomes complete, so that a kill between the two never leaves
+  a complete step above `latest` (which resume would take for an abandoned run's).
 - **`latest` bounds resume from above.** Steps above the one `latest` names belong to an abandoned
   run and are never chosen; `latest` may name a step that is not (yet) valid, and find then falls
   back to the newest valid step below it, saying so through `warn`.

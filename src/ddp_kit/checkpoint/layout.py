@@ -19,6 +19,7 @@ On an object store (object_store.py) the same names are key prefixes under the U
 failed save's, removed by the next prune; and two more:
     <url>/archive/<time>/step_<N>/  ARCHIVE: an abandoned run's steps, copied there and deleted
     <url>/.probe.<token>         PROBE_PREFIX: written at startup by rank 0, read by every rank, deleted
+    <url>/.lease.<generation>    LEASE_PREFIX: the one job writing here (checkpoint/lease.py)
 
 Every module that reads or writes these (the backends, the CLI, safe loading) spells them through
 this one. The names on disk never change: checkpoints written by any earlier ddp_kit still load.
@@ -43,6 +44,7 @@ TORCH_FILES = "*.pt"  # every file of a step folder that torch.load reads (safe_
 ARCHIVE_STAMP = "%Y%m%dT%H%M%S"
 ARCHIVE = "archive"  # an object store's archive prefix, under its URL
 PROBE_PREFIX = ".probe."
+LEASE_PREFIX = ".lease."  # <url>/.lease.<generation>: which job writes here (lease.py)
 
 
 def member_problem(name: object) -> str | None:

@@ -6,8 +6,8 @@ rendezvous store) with a commit that needs no rename and no shared disk.
                  rank); the loop waits only for that (async_ckpt: only for the host copy)
                  uploads them to <url>/step_<N>/ in the writer thread, each retried with backoff,
                  and posts {file: size, sha256} (or why its upload failed) through the rendezvous store
-    rank 0       checks that every object is listed with its size, uploads the manifest, then
-                 `latest`, then prunes (orphans, keep_last), then tells the others
+    rank 0       checks that every object is listed with its size, points `latest` at the step, uploads
+                 the manifest, then prunes (orphans, keep_last), then tells the others
     resume       rank 0 lists the store, trusts `latest` as the upper bound, checks a step's manifest
                  and sizes against the listing, downloads it into a node-local cache and verifies
                  the checksums there; every other rank downloads what it reads and verifies it too
@@ -37,6 +37,7 @@ from ..errors import UserError
 from . import layout, store
 from .backend import Found
 from .checkpointer import Checkpointer, _td
+from .lease import LEASE_TTL_S, LeaseKeeper, identity
 from .store_fs import Store, describe, open_store, refusal
 
 UPLOADS = 4  # objects one rank sends at once
@@ -49,16 +50,20 @@ _FAILED, _STOP = "failed", "stop"
 
 def open_object_store(ctx: DistContext, location: str, keep_last: int = 3, async_save: bool = False,
                       timeout_s: float = 600.0, write_delay_s: float = 0.0,
-                      upload_timeout_s: float = 1800.0) -> ObjectStoreCheckpointer:
+                      upload_timeout_s: float = 1800.0, lease_ttl_s: float = LEASE_TTL_S) -> ObjectStoreCheckpointer:
     """The BACKENDS factory for URLs. Opening is local (a rank may open the backend alone, to read
     `latest`); the checks that need every rank (the client installed on every node, probe) run at
     the first collective call, find or save, which resume makes before step 1."""
     return ObjectStoreCheckpointer(ctx, location, keep_last=keep_last, async_save=async_save, timeout_s=timeout_s,
-                                   write_delay_s=write_delay_s, upload_timeout_s=upload_timeout_s)
+                                   write_delay_s=write_delay_s, upload_timeout_s=upload_timeout_s,
+                                   lease_ttl_s=lease_ttl_s)
 
 
-def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError | None) -> Store:
-    """Collective: every rank opened the store (a node without s3fs is named), then probe."""
+def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError | None,
+                     lease_ttl_s: float = LEASE_TTL_S) -> LeaseKeeper | None:
+    """Collective: every rank opened the store (a node without s3fs is named), rank 0 takes the
+    location's lease (lease.py: another job writing here is refused before anything is written), then
+    probe. Returns rank 0's lease keeper (None on the other ranks)."""
     if ctx.world_size > 1 and not all_true(ctx, problem is None):
         mine = None if problem is None else (ctx.rank, socket.gethostname(), problem.message, problem.hint)
         gathered = gather_object(ctx, mine)
@@ -68,8 +73,25 @@ def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError |
         raise err
     if problem is not None:
         raise problem
-    probe(ctx, where)
-    return where
+    keeper = None
+
+    def take() -> None:
+        nonlocal keeper  # stays on rank 0
+        try:
+            keeper = LeaseKeeper(where, identity(ctx.env.job_id, ctx.env.batch_job_id), lease_ttl_s)
+        except UserError:
+            raise
+        except Exception as exc:  # a missing bucket, no credentials, a read-only bucket: said as the probe says it
+            raise refusal(where.url, exc, "written") from None
+
+    rank0_verdict(ctx, take)
+    try:
+        probe(ctx, where)
+    except BaseException:
+        if keeper is not None:
+            keeper.release()
+        raise
+    return keeper
 
 
 def probe(ctx: DistContext, where: Store) -> None:
@@ -125,7 +147,8 @@ class ObjectStoreCheckpointer(Checkpointer):
     private_staging = True
 
     def __init__(self, ctx: DistContext, where: Store | str, keep_last: int = 3, async_save: bool = False,
-                 timeout_s: float = 600.0, write_delay_s: float = 0.0, upload_timeout_s: float = 1800.0):
+                 timeout_s: float = 600.0, write_delay_s: float = 0.0, upload_timeout_s: float = 1800.0,
+                 lease_ttl_s: float = LEASE_TTL_S):
         self._problem: UserError | None = None
         if isinstance(where, str):
             try:
@@ -139,6 +162,8 @@ class ObjectStoreCheckpointer(Checkpointer):
                          timeout_s=timeout_s, write_delay_s=write_delay_s)
         self._store, self.location = (where if isinstance(where, Store) else None), url
         self._checked = False
+        self._lease: LeaseKeeper | None = None  # rank 0's, from the first collective call on
+        self.lease_ttl_s = lease_ttl_s
         self.upload_timeout_s = upload_timeout_s
         self._last_commit = time.monotonic()  # the bound on failed uploads counts from here
         self._last_name: str | None = None
@@ -153,7 +178,7 @@ class ObjectStoreCheckpointer(Checkpointer):
     def _check(self) -> None:
         """Collective, once: see check_every_rank."""
         if not self._checked:
-            check_every_rank(self.ctx, self._store, self._problem)
+            self._lease = check_every_rank(self.ctx, self._store, self._problem, self.lease_ttl_s)
             self._checked = True
 
     # ---- saving: staging and shipping (the rest is Checkpointer's) ----------------------------------
@@ -190,7 +215,8 @@ class ObjectStoreCheckpointer(Checkpointer):
             gathered = self._gather(step, {f"{_ERROR}{self.ctx.rank}": error} if error else files)
             if self.ctx.is_main:
                 errors = [v for k, v in sorted(gathered.items()) if k.startswith(_ERROR)]
-                outcome = self._outcome(step, errors or self._publish(step, gathered))
+                taken = self._lease_lost()
+                outcome = taken or self._outcome(step, errors or self._publish(step, gathered))
                 if self.ctx.store:
                     self.ctx.store.set(key, outcome)
             elif self.ctx.store:
@@ -250,10 +276,16 @@ class ObjectStoreCheckpointer(Checkpointer):
                 got = "missing" if rel not in have else f"{have[rel]} bytes, not {want['size']}"
                 return [f"{step_store.url_of(rel)} is {got} on the store after its upload"]
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        error = (self._put(lambda: self.store.fs.pipe_file(step_store.path(layout.MANIFEST), body),
-                           step_store.url_of(layout.MANIFEST))
-                 or self._put(lambda: store.point_latest(self.store, name), self.store.url_of(layout.LATEST)))
+        # `latest` first, as the folder backend does: a kill between the two leaves `latest` naming a
+        # step without its manifest, and resume falls back to the one before; the other order would
+        # leave a complete step above `latest`, which resume takes for an abandoned run's and archives.
+        before = store.read_latest(self.store)
+        error = (self._put(lambda: store.point_latest(self.store, name), self.store.url_of(layout.LATEST))
+                 or self._put(lambda: self.store.fs.pipe_file(step_store.path(layout.MANIFEST), body),
+                              step_store.url_of(layout.MANIFEST)))
         if error:
+            if before is not None:  # best effort: resume would fall back to it all the same, with a warning
+                self._put(lambda: store.point_latest(self.store, layout.step_name(before)), self.store.url_of(layout.LATEST))
             return [error]
         self._commit_at[step] = time.monotonic()  # commit_s ends here: manifest and `latest` are up
         try:
@@ -262,6 +294,19 @@ class ObjectStoreCheckpointer(Checkpointer):
             print(f"ddp_kit: warning: pruning {self.location} after {name} failed ({describe(exc)}); the next "
                   f"checkpoint tries again", file=sys.stderr, flush=True)
         return []
+
+    def _lease_lost(self) -> str | None:
+        """Rank 0, before a commit: a stop when another job has taken this location over (lease.py)."""
+        try:
+            holder = self._lease.lost() if self._lease is not None else None
+        except Exception:  # the store cannot be listed now: the commit's own writes will say why
+            return None
+        if holder is None:
+            return None
+        return _STOP + json.dumps([
+            f"another job took over checkpoint location {self.location} ({holder}) after this job stopped "
+            f"renewing its lease; this job stops without committing, so as not to overwrite its checkpoints",
+            "make sure one job at a time writes a location (give each its own ckpt_dir); then rerun"])
 
     def _outcome(self, step: int, errors: list[str]) -> str:
         """Rank 0's word to every rank: "1" (committed), failed (training goes on), or stop."""
@@ -298,6 +343,9 @@ class ObjectStoreCheckpointer(Checkpointer):
             super().close()
         finally:
             shutil.rmtree(self.local, ignore_errors=True)
+            if self._lease is not None:  # after the last upload: the next job may start at once
+                self._lease.release()
+                self._lease = None
 
     def prune(self, newest: int) -> None:
         """See store.prune: orphans, objects no manifest names, and steps beyond keep_last go."""

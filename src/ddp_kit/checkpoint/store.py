@@ -4,8 +4,9 @@ a listing, then checksums of a download into a local cache), which one `latest` 
 run resumes from, pruning a killed save's objects and old steps, and moving an abandoned run's steps
 aside. The object store twin of folder.py; used by object_store.py and `python -m ddp_kit.checkpoint`.
 
-There is no rename on a store: a step is committed by writing its manifest after every object it
-names, then `latest`. A step prefix without a manifest is a killed or failed save's, never read.
+There is no rename on a store: a step is committed by writing `latest`, then its manifest, after every
+object it names (the folder backend's order). A step prefix without a manifest is a killed or failed
+save's, never read.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ DOWNLOADS = 8  # objects fetched at once
 
 
 def listing(store: Store) -> dict[str, int]:
-    """{path relative to the location: size} of every object under it, archive/ excluded, listed now
-    (not from the client's listing cache: other ranks and processes write here too)."""
+    """{path relative to the location: size} of every object under it, archive/ and the lease excluded,
+    listed now (not from the client's listing cache: other ranks and processes write here too)."""
     store.fs.invalidate_cache(store.root)
     try:
         found = store.fs.find(store.root, detail=True)
@@ -36,7 +37,7 @@ def listing(store: Store) -> dict[str, int]:
         rel = store.rel(path)
         if rel is None or rel.endswith("/") or info.get("type") == "directory":
             continue
-        if rel.split("/", 1)[0] != layout.ARCHIVE:
+        if rel.split("/", 1)[0] != layout.ARCHIVE and not rel.startswith(layout.LEASE_PREFIX):
             out[rel] = int(info.get("size") or 0)
     return out
 
@@ -214,12 +215,13 @@ def remove_steps(store: Store, steps: list[int]) -> None:
 def prune(store: Store, newest: int, keep_last: int) -> list[int]:
     """Remove a killed or failed save's objects (step prefixes without a manifest, objects a manifest
     does not name, startup probes), and the committed steps up to `newest` beyond the newest
-    `keep_last` (0: keep all). Steps above `newest` with a manifest are an abandoned run's: archive's.
+    `keep_last` (0: keep all). Nothing above `newest` is touched: a complete step there is an abandoned
+    run's (archive's), and a prefix without a manifest there may be an upload in flight.
     Returns the committed steps removed."""
     objects = listing(store)
     steps = by_step(objects)
     done = set(committed(objects))
-    orphans = [s for s in steps if s not in done]
+    orphans = [s for s in steps if s not in done and s <= newest]
     kept = sorted((s for s in done if s <= newest), reverse=True)
     doomed = kept[keep_last:] if keep_last >= 1 else []
     remove_steps(store, orphans + doomed)
