@@ -56,3 +56,18 @@ def test_launch_script_refuses_bad_config_before_torchrun():
     assert res.stderr.strip().splitlines() == [
         "ddp_kit: error: batch_size 63 (global) does not divide into world_size 2 x grad_accum 1 "
         "(hint: use a multiple of 2, e.g. batch_size 62)"]
+
+
+def test_launch_script_checks_every_world_size_of_an_elastic_job():
+    res = run_cmd(["bash", str(ROOT / "launch" / "torchrun.sh"), "--batch_size", "64"],
+                  env={"NPROC_PER_NODE": "1", "NNODES": "1:3", "PYTHON": sys.executable})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "ddp_kit: error: batch_size 64 (global) does not divide into world_size 3 x grad_accum 1, one of the world "
+        "sizes this elastic job may run at (1, 2, 3) (hint: use a multiple of 6, e.g. batch_size 60)"]
+
+
+@pytest.mark.parametrize("nnodes", ["x", "2:1", "1:", "0", "0:2", "1:2:3", "-1"])
+def test_launch_script_refuses_a_bad_node_count(nnodes):
+    res = run_cmd(["bash", str(ROOT / "launch" / "torchrun.sh")], env={"NNODES": nnodes, "PYTHON": sys.executable})
+    assert res.returncode == 2 and res.stderr.startswith(f"ddp_kit: error: NNODES '{nnodes}'"), res.stderr

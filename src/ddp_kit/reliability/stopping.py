@@ -30,6 +30,8 @@ def stop_if_signalled(b: Boundary) -> bool:
 
 def stop(b: Boundary, signum: int) -> None:
     """Checkpoint, requeue under SLURM (USR2), and exit 75 (130 for Ctrl-C), all ranks together."""
+    if b.policy.log_every and b.done > b.records.last_log[1]:
+        b.log()  # the steps since the last record, as at a clean end: the resume starts after them
     saved = bool(b.state) and b.rd is not None
     took = time.monotonic()
     if saved:

@@ -10,6 +10,7 @@ exits, so this file has no error handling of its own beyond the CLI's.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -119,12 +120,27 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     return summary
 
 
-def cli(config: str | None = None, dry_run: bool = False, help_config: bool = False, preflight_world_size: int = 0,
-        **flags: Any) -> None:
+def _micro_batches(batch_size: int, worlds: list[int], grad_accum: int) -> list[int]:
+    """The per-rank micro-batch at each world size; with several (an elastic job), a batch that does
+    not split at one of them is refused with a size that splits at all of them."""
+    try:
+        return [per_rank_batch(batch_size, world, grad_accum) for world in worlds]
+    except UserError as err:
+        if len(worlds) < 2:
+            raise
+        parts = math.lcm(*worlds) * grad_accum
+        sizes = ", ".join(map(str, worlds))
+        raise UserError(f"{err.message}, one of the world sizes this elastic job may run at ({sizes})",
+                        f"use a multiple of {parts}, e.g. batch_size {max(parts, batch_size // parts * parts)}") from None
+
+
+def cli(config: str | None = None, dry_run: bool = False, help_config: bool = False,
+        preflight_world_size: int | tuple[int, ...] = 0, **flags: Any) -> None:
     """python -m ddp_kit.train [CONFIG.yaml] [--key value ...] [--dry_run] [--help_config]
 
     --preflight_world_size N (with --dry_run): check the config as if N ranks will run it; the launch
-    scripts use it to refuse a bad config before torchrun starts any worker.
+    scripts use it to refuse a bad config before torchrun starts any worker. N1,N2,...: every world
+    size an elastic job may run at.
     """
     rank, env = 0, None
     # `--help` is what a user types first; fire hands it to **flags like any other key
@@ -138,13 +154,15 @@ def cli(config: str | None = None, dry_run: bool = False, help_config: bool = Fa
             return
         cfg = resolve(config, flags)
         if dry_run:
-            world = int(preflight_world_size) or env.world_size
-            micro = per_rank_batch(cfg.batch_size, world, cfg.grad_accum)
+            sizes = preflight_world_size if isinstance(preflight_world_size, (tuple, list)) else (preflight_world_size,)
+            worlds = [int(w) or env.world_size for w in sizes]
+            micros = _micro_batches(cfg.batch_size, worlds, cfg.grad_accum)
             if env.is_main:
                 import yaml
 
                 print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-                print(f"# world_size {world} ({env.launcher}); per-rank micro-batch {micro}; config hash {cfg.hash()}")
+                for world, micro in zip(worlds, micros):
+                    print(f"# world_size {world} ({env.launcher}); per-rank micro-batch {micro}; config hash {cfg.hash()}")
             return
         run(cfg, env)
     except UserError as err:  # before the run exists (config, layout, rendezvous)
