@@ -631,3 +631,112 @@ def test_prune_leaves_every_step_above_its_own_latest_alone(url):
     store.prune(ck.store, 2, 1)
     assert "step_9/model.pt" in _objects(ck)
     ck.close()
+
+
+# ---- resume at scale: one download per node, only the shards a rank reads --------------------------
+
+class _Counting:
+    """Wraps the real in-memory store, counting each object fetched (get_file) by its name in the step."""
+
+    def __init__(self):
+        import fsspec.implementations.memory as memory
+
+        counts: dict = {}
+
+        class Fs(memory.MemoryFileSystem):
+            def get_file(self, rpath, lpath, *a, **k):
+                name = rpath.split("/step_", 1)[-1].split("/", 1)[-1]  # the file's name inside its step
+                counts[name] = counts.get(name, 0) + 1
+                return super().get_file(rpath, lpath, *a, **k)
+
+        self.fs, self.counts = Fs(), counts
+
+
+def _rank(rank: int, world: int):
+    """A DistContext for rank `rank` of `world` on this node, without a process group: what load and
+    _local use (no collective)."""
+    import torch
+
+    from ddp_kit.dist import DistContext
+    from ddp_kit.env import DistEnv
+
+    return DistContext(DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world), torch.device("cpu"), "gloo")
+
+
+def test_the_ranks_of_a_node_download_each_object_once(tmp_path, monkeypatch):
+    import tempfile
+
+    from ddp_kit.checkpoint.backend import Found
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
+    from ddp_kit.checkpoint.store_fs import Store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    counting = _Counting()
+    name = f"node-{uuid.uuid4().hex[:6]}"
+    where = Store(counting.fs, f"/{name}/run", f"memory://{name}/run")
+    # a step written by 4 ranks: shared files once, a rank file each (rank 0 writes here; the others' by hand)
+    ck = ObjectStoreCheckpointer(_alone(), where)
+    _save(ck, 3)
+    ck.close()
+    manifest = json.loads(counting.fs.cat_file(where.path("step_3", "manifest.json")))
+    for r in (1, 2, 3):
+        body = counting.fs.cat_file(where.path("step_3", "rank0.pt"))
+        counting.fs.pipe_file(where.path("step_3", f"rank{r}.pt"), body)
+        manifest["files"][f"rank{r}.pt"] = manifest["files"]["rank0.pt"]
+    counting.fs.pipe_file(where.path("step_3", "manifest.json"), json.dumps(manifest).encode())
+    found = Found(where.url_of("step_3"), 3)
+    # rank 1 and rank 2 of one node load: the shared files come once, each its own rank file
+    for r in (1, 2):
+        rank = ObjectStoreCheckpointer(_rank(r, 4), where)
+        shared, own, _ = rank.load(found)
+        assert shared["model"]["w"].tolist() == [3.0] * 4 and own is not None
+    assert counting.counts == {"model.pt": 1, "train_state.pt": 1, "meta.json": 1, "rank1.pt": 1, "rank2.pt": 1}, counting.counts
+    assert sorted(p.name for p in tmp_path.rglob("rank*.pt")) == ["rank1.pt", "rank2.pt"]  # one node-wide copy
+    rank.close()
+    assert not list(tmp_path.rglob("*.pt"))  # the node's cache goes with the run
+
+
+def test_a_rank_downloads_only_the_dcp_shards_its_load_plan_reads(tmp_path, monkeypatch, one_rank_group):
+    """One rank's sharded state in two DCP files (a writer with two threads, as a rank of a larger job
+    holds parts of several); a load of one key fetches the file that holds it, not the other."""
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ddp_kit.checkpoint import layout
+    from ddp_kit.checkpoint.backend import Found
+    from ddp_kit.checkpoint.durable import file_digest
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
+    from ddp_kit.checkpoint.store_fs import Store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    counting = _Counting()
+    name = f"dcp-{uuid.uuid4().hex[:6]}"
+    where = Store(counting.fs, f"/{name}/run", f"memory://{name}/run")
+    ck = ObjectStoreCheckpointer(_alone(), where)
+    ck.save(4, {"loop": {"step": 4}}, {"rng": torch.get_rng_state()}, {"strategy": "fsdp"},
+            sharded={"model": {"w": torch.full((1000,), 4.0)}})
+    ck.close()
+    # the same step's dcp/ rewritten by a writer with two threads: two shard files
+    local = tmp_path / "written"
+    dcp.save({"model": {"w": torch.full((1000,), 4.0), "v": torch.full((1000,), 5.0)}},
+             storage_writer=dcp.FileSystemWriter(local, thread_count=2, single_file_per_rank=False))
+    manifest = json.loads(counting.fs.cat_file(where.path("step_4", "manifest.json")))
+    manifest["files"] = {n: f for n, f in manifest["files"].items() if not n.startswith("dcp/")}
+    for f in local.iterdir():
+        counting.fs.put_file(str(f), where.path("step_4", "dcp", f.name))
+        manifest["files"][layout.dcp_file(f.name)] = file_digest(f)
+    counting.fs.pipe_file(where.path("step_4", "manifest.json"), json.dumps(manifest).encode())
+    shards = sorted(f.name for f in local.glob("*.distcp"))
+    assert len(shards) == 2, shards
+    rank = ObjectStoreCheckpointer(_alone(), where)
+    found = Found(where.url_of("step_4"), 4)
+    assert rank.sharded_keys(found) == {"model.w", "model.v"}
+    template = {"model": {"v": torch.zeros(1000)}}
+    rank.load_sharded(found, template)
+    assert template["model"]["v"].eq(5.0).all()
+    fetched = sorted(n for n in counting.counts if n.startswith("dcp/__"))
+    assert len(fetched) == 1 and fetched[0][len("dcp/"):] in shards, counting.counts
+    assert counting.counts["dcp/.metadata"] == 1
+    rank.close()

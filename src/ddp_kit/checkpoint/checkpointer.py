@@ -366,14 +366,15 @@ class Checkpointer:
         value = rank0_verdict(self.ctx, lambda: folder.choose(self.root, resume, warn))
         return Found(Path(value[0]), value[1]) if value else None
 
-    def load_sharded(self, found: Found, template: dict) -> None:
-        """Fill `template` (this rank's sharded state dicts) from found/dcp/, whatever world size wrote it."""
+    def load_sharded(self, found: Found, template: dict, before_read: Callable[[set[str]], None] | None = None) -> None:
+        """Fill `template` (this rank's sharded state dicts) from found/dcp/, whatever world size wrote it
+        (`before_read`: told the dcp/ files this rank reads, before they are opened)."""
         if not all_true(self.ctx, dcp_files.present(found.path)):  # one verdict, before DCP's collectives
             raise UserError(f"checkpoint {found.path} holds no sharded state (dcp/) that every rank can read: it was "
                             f"written with strategy ddp, or is not on storage every rank mounts",
                             "resume it with the strategy that wrote it, or start over with resume='never' or a new run_dir",
                             verdict=True)
-        dcp_files.load(found.path, template, self._dcp_group())
+        dcp_files.load(found.path, template, self._dcp_group(), before_read)
 
     def sharded_keys(self, found: Found) -> set[str]:
         """The flattened keys a sharded checkpoint holds (e.g. "optimizer.state.fc.weight.exp_avg")."""

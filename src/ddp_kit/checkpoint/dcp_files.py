@@ -2,6 +2,7 @@
 own gloo group, writing dcp/, the manifest entries of what each rank wrote, and reading it back."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,10 @@ def keys(step_dir: Path) -> set[str]:
     return set(safe_load.read_dcp_metadata(step_dir / layout.DCP).state_dict_metadata) if present(step_dir) else set()
 
 
-def load(step_dir: Path, template: dict, group: Any) -> None:
-    """Fill `template` from step_dir/dcp/ (collective over `group`), through the allow-listed reader."""
+def load(step_dir: Path, template: dict, group: Any, before_read: Callable[[set[str]], None] | None = None) -> None:
+    """Fill `template` from step_dir/dcp/ (collective over `group`), through the allow-listed reader
+    (`before_read`: see safe_load.reader)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(template, storage_reader=safe_load.reader(step_dir / layout.DCP), process_group=group,
+    dcp.load(template, storage_reader=safe_load.reader(step_dir / layout.DCP, before_read), process_group=group,
              no_dist=group is None)

@@ -133,10 +133,11 @@ def probe(ctx: DistContext, where: Store) -> None:
     rank0_verdict(ctx, delete)
 
 
-def local_area(url: str, rank: int) -> Path:
-    """This rank's node-local folder for `url`: stage/ (saves being uploaded) and cache/ (downloads)."""
+def local_area(url: str, rank: int | None) -> Path:
+    """This rank's node-local folder for `url` (its saves being uploaded), or with rank None the node's
+    download cache, which the ranks of a node share (store.fetch: one download per node)."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"ddp_kit-{os.getuid()}" / f"{digest}-rank{rank}"
+    return Path(tempfile.gettempdir()) / f"ddp_kit-{os.getuid()}" / (f"{digest}-rank{rank}" if rank is not None else f"{digest}-cache")
 
 
 class ObjectStoreCheckpointer(Checkpointer):
@@ -157,7 +158,10 @@ class ObjectStoreCheckpointer(Checkpointer):
                 self._problem = err
         url = where.url if isinstance(where, Store) else where
         self.local = local_area(url, ctx.rank)
-        shutil.rmtree(self.local, ignore_errors=True)  # a killed process's staging and downloads
+        shutil.rmtree(self.local, ignore_errors=True)  # a killed process's staging
+        # Not emptied here: another rank of this node may be downloading into it already. Whatever a
+        # killed process left is verified before use (store.fetch) and emptied at the first save.
+        self.cache = local_area(url, None)
         super().__init__(ctx, self.local / "stage", keep_last=keep_last, async_save=async_save,
                          timeout_s=timeout_s, write_delay_s=write_delay_s)
         self._store, self.location = (where if isinstance(where, Store) else None), url
@@ -186,8 +190,8 @@ class ObjectStoreCheckpointer(Checkpointer):
     def save(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any],
              sharded: dict[str, Any] | None = None) -> None:
         self._check()
-        if self._fetched:  # resumed: what was downloaded for it is not needed again
-            shutil.rmtree(self.local / "cache", ignore_errors=True)
+        if self._fetched or self.cache.exists():  # resumed: what was downloaded for it is not needed again
+            shutil.rmtree(self.cache, ignore_errors=True)  # every rank has loaded (a save is collective)
             self._fetched.clear()
         super().save(step, shared, per_rank, meta, sharded)
 
@@ -343,6 +347,7 @@ class ObjectStoreCheckpointer(Checkpointer):
             super().close()
         finally:
             shutil.rmtree(self.local, ignore_errors=True)
+            shutil.rmtree(self.cache, ignore_errors=True)  # every rank has long finished loading
             if self._lease is not None:  # after the last upload: the next job may start at once
                 self._lease.release()
                 self._lease = None
@@ -383,7 +388,7 @@ class ObjectStoreCheckpointer(Checkpointer):
         self._check()
         def choose() -> tuple[str, int] | None:
             try:
-                return store.choose(self.store, resume, warn, self.local / "cache")
+                return store.choose(self.store, resume, warn, self.cache)
             except UserError:
                 raise
             except Exception as exc:
@@ -394,29 +399,34 @@ class ObjectStoreCheckpointer(Checkpointer):
             return None
         path: Path | str = value[0] if "://" in value[0] else Path(value[0])
         if self.ctx.is_main and isinstance(path, str):
-            self._fetched[path] = self.local / "cache" / layout.step_name(value[1])
+            self._fetched[path] = self.cache / layout.step_name(value[1])
         return Found(path, value[1])
 
     def _local(self, found: Found) -> Found:
-        """`found` as a local folder: this rank's verified download of what it reads (every shared
-        file, its own rank file, dcp/)."""
+        """`found` as a local folder: the node's verified download of what this rank reads (every shared
+        file, its own rank file, DCP's metadata; the shards its load plan reads come at load_sharded)."""
         if isinstance(found.path, Path):
             return found
         url = str(found.path)
         if url not in self._fetched:
-            parent = url.rpartition("/")[0]
-            there = Store(self.store.fs, self.store.fs._strip_protocol(parent).rstrip("/"), parent)
-            manifest = store.read_manifest(there, found.step)
-            reason = "its manifest is gone" if manifest is None else None
-            if manifest is not None:
-                own = layout.rank_file(self.ctx.rank)
-                reason = store.fetch(there, url, self.local / "cache" / layout.step_name(found.step), manifest,
-                                     want=lambda n: n == own or layout.rank_of(n) is None)
-            if reason:
-                raise UserError(f"checkpoint {url} changed while the ranks read it: {reason}",
-                                "rerun the same command (resume falls back past a damaged checkpoint)", local=True)
-            self._fetched[url] = self.local / "cache" / layout.step_name(found.step)
+            own = layout.rank_file(self.ctx.rank)
+            self._fetch(found, lambda n: n == own or (layout.rank_of(n) is None and not n.startswith(layout.DCP + "/"))
+                        or n == layout.dcp_file(layout.DCP_METADATA))
+            self._fetched[url] = self.cache / layout.step_name(found.step)
         return Found(self._fetched[url], found.step)
+
+    def _fetch(self, found: Found, want: Callable[[str], bool]) -> None:
+        """Into the node's cache: the files of step `found` (a URL) that `want` admits, verified."""
+        url = str(found.path)
+        parent = url.rpartition("/")[0]
+        there = Store(self.store.fs, self.store.fs._strip_protocol(parent).rstrip("/"), parent)
+        manifest = store.read_manifest(there, found.step)
+        reason = "its manifest is gone" if manifest is None else None
+        if manifest is not None:
+            reason = store.fetch(there, url, self.cache / layout.step_name(found.step), manifest, want=want)
+        if reason:
+            raise UserError(f"checkpoint {url} changed while the ranks read it: {reason}",
+                            "rerun the same command (resume falls back past a damaged checkpoint)", local=True)
 
     def load(self, found: Found) -> tuple[dict, dict | None, dict]:
         return super().load(self._local(found))
@@ -425,4 +435,9 @@ class ObjectStoreCheckpointer(Checkpointer):
         return super().sharded_keys(self._local(found))
 
     def load_sharded(self, found: Found, template: dict) -> None:
-        super().load_sharded(self._local(found), template)
+        local = self._local(found)
+        if local is found:
+            return super().load_sharded(found, template)
+        # Only the shard files this rank's load plan reads (on another world size, parts of several).
+        wanted = lambda names: self._fetch(found, {layout.dcp_file(n) for n in names}.__contains__)  # noqa: E731
+        super().load_sharded(local, template, before_read=wanted)

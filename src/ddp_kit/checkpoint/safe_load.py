@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can 
 
 def read_dcp_metadata(folder: str | Path) -> Any:
     """DCP's Metadata of `folder` (a dcp/ folder), unpickled with the allow-list; every storage item
-    must name a file of the folder itself and lie inside it (a forged one could name /dev/zero)."""
+    must name a file of the folder itself and lie inside it (a forged one could name /dev/zero). A shard
+    not downloaded yet (object store: a rank fetches only the shards it reads) is measured by the size
+    the step's manifest records, which its download is verified against."""
     folder = Path(folder)
     with open(folder / layout.DCP_METADATA, "rb") as fh:
         try:
@@ -74,12 +77,14 @@ def read_dcp_metadata(folder: str | Path) -> Any:
         except Exception as exc:  # truncated, not a pickle at all
             raise ForgedCheckpoint(f"DCP metadata is unreadable ({type(exc).__name__}: {exc})") from None
     sizes: dict[str, int] = {}
+    recorded = _manifest_sizes(folder.parent)
     for info in (getattr(meta, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
             raise ForgedCheckpoint(f"DCP metadata names the file {name!r}, which is not one of the folder's shards")
         if name not in sizes:
-            sizes[name] = (folder / name).stat().st_size if (folder / name).is_file() else -1
+            sizes[name] = ((folder / name).stat().st_size if (folder / name).is_file()
+                           else recorded.get(layout.dcp_file(name), -1))
         if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
                 and info.length >= 0 and info.offset + info.length <= sizes[name]):
             raise ForgedCheckpoint(f"DCP metadata points outside {name} (offset {info.offset}, length {info.length})")
@@ -96,8 +101,23 @@ def check_bytes(data: bytes, what: str) -> None:
         raise ForgedCheckpoint(f"{what} is not plain checkpoint data ({_first_line(exc)})") from None
 
 
-def reader(folder: str | Path) -> Any:
-    """A DCP FileSystemReader over `folder` that unpickles nothing outside the allow-list."""
+def _manifest_sizes(step_dir: Path) -> dict[str, int]:
+    """{file: size} from step_dir's manifest (only for files its name check admits); {} without one."""
+    import json
+
+    try:
+        manifest = json.loads((step_dir / layout.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    if layout.manifest_problem(manifest):
+        return {}
+    return {n: f["size"] for n, f in manifest["files"].items()}
+
+
+def reader(folder: str | Path, before_read: Callable[[set[str]], None] | None = None) -> Any:
+    """A DCP FileSystemReader over `folder` that unpickles nothing outside the allow-list. `before_read`
+    is told the files (relative to `folder`) this rank's load plan reads, before any is opened: a
+    backend that downloads fetches only those."""
     import torch.distributed.checkpoint as dcp
 
     class SafeReader(dcp.FileSystemReader):
@@ -115,6 +135,8 @@ def reader(folder: str | Path) -> Any:
             return meta
 
         def read_data(self, plan: Any, planner: Any) -> Any:
+            if before_read is not None:
+                before_read({self.storage_data[item.storage_index].relative_path for item in plan.items})
             return super().read_data(plan, _CheckedBytes(planner))
 
     return SafeReader(folder)
@@ -135,8 +157,9 @@ class _CheckedBytes:
         self._planner.load_bytes(read_item, value)
 
 
-def check_folder(path: Path) -> str | None:
-    """None when every pickle in step folder `path` is plain data; else why not, in a few words."""
+def check_folder(path: Path, dcp: bool = True) -> str | None:
+    """None when every pickle in step folder `path` is plain data; else why not, in a few words.
+    dcp=False leaves dcp/'s byte items to the load (a folder holding only the shards a rank reads)."""
     import torch
 
     for f in sorted(path.glob(layout.TORCH_FILES)):
@@ -146,7 +169,7 @@ def check_folder(path: Path) -> str | None:
         except Exception as exc:
             return f"{f.name} is not plain checkpoint data ({_first_line(exc)})"
     folder = path / layout.DCP
-    if not (folder / layout.DCP_METADATA).is_file():
+    if not dcp or not (folder / layout.DCP_METADATA).is_file():
         return None
     try:
         meta = read_dcp_metadata(folder)

@@ -10,10 +10,13 @@ save's, never read.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
@@ -108,43 +111,82 @@ def check(store: Store, step: int, objects: dict[str, int]) -> tuple[str | None,
 
 
 def fetch(store: Store, step_url: str, dest: Path, manifest: dict, want: Callable[[str], bool] | None = None) -> str | None:
-    """Download step `step_url` (its manifest and the files `want` admits, default all) into the empty
-    folder `dest` and verify each file's checksum there; None when it is sound, else why not.
-    A step fetched whole is then checked as any local step folder (folder.validate, safe loading).
-    Nothing is written before every name in the manifest is known to stay inside `dest`."""
+    """Make `dest` hold step `step_url`'s manifest and the files `want` admits (default all), each
+    verified against the manifest's size and sha256; None when they are sound, else why not.
+
+    `dest` is one folder per node (the ranks of a node share it): a file a rank of this node already
+    downloaded and verified (dest/.verified) is not fetched again, and a flock on dest/.lock keeps two
+    ranks from downloading the same file at once, so a node downloads each file once. Files are
+    downloaded under a temporary name and renamed once verified. Nothing is written before every name
+    in the manifest is known to stay inside `dest`. Pickles are then checked as in any local step
+    folder (safe_load.check_folder: every *.pt here, and dcp/'s byte items when the step is whole)."""
     unsafe = layout.manifest_problem(manifest)
     if unsafe:
         return unsafe
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    (dest / layout.MANIFEST).write_text(json.dumps(manifest))
-    names = [n for n in sorted(manifest["files"]) if want is None or want(n)]
-    for n in names:
-        (dest / n).parent.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    files = manifest["files"]
+    names = [n for n in sorted(files) if want is None or want(n)]
     src = store.fs._strip_protocol(step_url)
+    with _node_lock(dest):
+        verified = _read_verified(dest)
+        todo = [n for n in names if verified.get(n) != files[n]["sha256"] or not (dest / n).is_file()]
+        for n in todo:
+            (dest / n).parent.mkdir(parents=True, exist_ok=True)
 
-    def get(n: str) -> str | None:
-        try:
-            store.fs.get_file(f"{src}/{n}", str(dest / n))
-        except FileNotFoundError:
-            return f"{n} is missing"
-        return None
+        def get(n: str) -> str | None:
+            part = dest / f"{n}.part"
+            try:
+                store.fs.get_file(f"{src}/{n}", str(part))
+            except FileNotFoundError:
+                return f"{n} is missing"
+            size, sha = part.stat().st_size, sha256_of(part)
+            if size != files[n]["size"]:
+                return f"{n} is truncated ({size} of {files[n]['size']} bytes)"
+            if sha != files[n]["sha256"]:
+                return f"{n} is corrupt (checksum mismatch)"
+            os.replace(part, dest / n)
+            return None
 
-    with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="ddp_kit-ckpt-get") as pool:
-        missing = [r for r in pool.map(get, names) if r]
-    if missing:
-        return missing[0]
-    if want is None:
-        return folder.validate(dest)
-    for n in names:
-        size, sha = (dest / n).stat().st_size, sha256_of(dest / n)
-        if size != manifest["files"][n]["size"]:
-            return f"{n} is truncated ({size} of {manifest['files'][n]['size']} bytes)"
-        if sha != manifest["files"][n]["sha256"]:
-            return f"{n} is corrupt (checksum mismatch)"
+        with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="ddp_kit-ckpt-get") as pool:
+            errors = [r for r in pool.map(get, todo) if r]
+        verified.update({n: files[n]["sha256"] for n in todo if (dest / n).is_file() and not (dest / f"{n}.part").exists()})
+        for n in todo:
+            (dest / f"{n}.part").unlink(missing_ok=True)
+        (dest / layout.MANIFEST).write_text(json.dumps(manifest))
+        _write_verified(dest, verified)
+    if errors:
+        return errors[0]
     from .safe_load import check_folder  # torch only here
 
-    return check_folder(dest)
+    return check_folder(dest, dcp=want is None)
+
+
+VERIFIED = ".verified"  # in a node's download folder: {file: sha256} of the files verified there
+_LOCK = ".lock"
+
+
+@contextmanager
+def _node_lock(dest: Path):
+    fd = os.open(dest / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+def _read_verified(dest: Path) -> dict[str, str]:
+    try:
+        found = json.loads((dest / VERIFIED).read_text())
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_verified(dest: Path, verified: dict[str, str]) -> None:
+    tmp = dest / f"{VERIFIED}.tmp"
+    tmp.write_text(json.dumps(verified))
+    os.replace(tmp, dest / VERIFIED)
 
 
 def validate(store: Store, step: int, objects: dict[str, int], cache: Path) -> str | None:
