@@ -534,7 +534,7 @@ def test_a_second_job_on_one_url_is_refused_in_one_line_before_it_writes_anythin
     from ddp_kit.checkpoint import open_backend
     from ddp_kit.errors import UserError
 
-    first = open_backend(url, _alone(), keep_last=0)
+    first = open_backend(url, _alone(), keep_last=0, lease_ttl_s=1.2)  # renewed every 0.2 s
     _save(first, 1)
     first.wait()
     before = _objects(first)
@@ -556,14 +556,17 @@ def test_a_second_job_on_one_url_is_refused_in_one_line_before_it_writes_anythin
     second.close()
 
 
-@pytest.mark.parametrize("holder,taken", [
-    (dict(renewed_ago=120.0), True),  # stopped renewing for longer than its ttl
-    (dict(renewed_ago=5.0), False),  # alive elsewhere
-    (dict(host=None, pid=2**22 + 12345, renewed_ago=1.0), True),  # a dead process on this host
-    (dict(job_id="mine", renewed_ago=1.0), True),  # an earlier attempt of this job (restart, requeue)
+@pytest.mark.parametrize("holder,renews,taken", [
+    (dict(renewed_ago=120.0), False, True),  # stopped renewing for longer than its ttl
+    (dict(renewed_ago=0.5, ttl_s=2.0), True, False),  # alive elsewhere: it renews while we watch
+    (dict(renewed_ago=0.5, ttl_s=2.0), False, True),  # died elsewhere just now (an evicted pod): its ttl runs out
+    (dict(host=None, pid=2**22 + 12345, renewed_ago=1.0), False, True),  # a dead process on this host
+    (dict(job_id="mine", renewed_ago=1.0), False, True),  # an earlier attempt of this job (restart, requeue)
 ])
-def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder, taken):
+def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder, renews, taken):
     import socket
+    import threading
+    import time
 
     from ddp_kit.checkpoint import lease, store_fs
     from ddp_kit.errors import UserError
@@ -571,14 +574,28 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder
     where = store_fs.open_store(_url())
     record = _other_job(**{**holder, "host": holder.get("host", "node-b") or socket.gethostname()})
     where.fs.pipe_file(where.path(lease.lease_name(1)), json.dumps(record).encode())
+    stop = threading.Event()
+
+    def holder_renews():  # what the other job's keeper does
+        while not stop.wait(0.2):
+            where.fs.pipe_file(where.path(lease.lease_name(1)), json.dumps({**record, "renewed": time.time()}).encode())
+
+    keeper = threading.Thread(target=holder_renews, daemon=True)
+    if renews:
+        keeper.start()
     me, said = lease.identity("mine", None), []
-    if taken:
-        assert lease.acquire(where, me, say=said.append) == 2
-        assert lease.newest(where)[1]["pid"] == me["pid"]
-        assert not where.fs.exists(where.path(lease.lease_name(1)))
-    else:
-        with pytest.raises(UserError, match="is in use by another job"):
-            lease.acquire(where, me)
+    try:
+        if taken:
+            assert lease.acquire(where, me, say=said.append) == 2
+            assert lease.newest(where)[1]["pid"] == me["pid"]
+            assert not where.fs.exists(where.path(lease.lease_name(1)))
+        else:
+            with pytest.raises(UserError, match="is in use by another job"):
+                lease.acquire(where, me, say=said.append)
+    finally:
+        stop.set()
+    if holder.get("ttl_s"):  # not on this host, renewed lately: watched before the verdict
+        assert "waiting up to" in said[0] and "node-b" in said[0], said
 
 
 def test_two_jobs_racing_for_one_generation_leave_exactly_one_holder():
@@ -589,9 +606,9 @@ def test_two_jobs_racing_for_one_generation_leave_exactly_one_holder():
 
     where = store_fs.open_store(_url())
 
-    def try_(i):
+    def try_(i):  # live processes on this host: a loser is refused at once
         try:
-            return lease.acquire(where, {**lease.identity(f"job{i}", None), "host": f"node{i}"})
+            return lease.acquire(where, lease.identity(f"job{i}", None))
         except UserError:
             return None
 

@@ -14,7 +14,9 @@ The newest generation holds the location. A job starting finds it and
   renewed for its ttl, it is a dead process on this host, or it is an earlier attempt of this same job
   (a torchrun restart or a SLURM requeue: the same job id). Of two jobs that race for one generation,
   the conditional write lets exactly one win; the other then finds a live holder.
-- is refused in one line naming the holder otherwise, before it writes any checkpoint.
+- is refused in one line naming the holder otherwise, before it writes any checkpoint: at once when the
+  holder is a live process on this host, else once it has seen the holder renew (a live holder renews
+  every ttl/6; a dead one's ttl runs out meanwhile, and it is taken over).
 A holder that finds a newer generation than its own when it commits (it stopped renewing long enough
 to be taken over: a frozen or partitioned node) stops without committing.
 
@@ -36,7 +38,8 @@ from ..errors import UserError
 from .layout import LEASE_PREFIX
 from .store_fs import Store, describe
 
-LEASE_TTL_S = 60.0  # a holder that has not renewed for this long is gone; it renews every ttl/4
+LEASE_TTL_S = 60.0  # a holder that has not renewed for this long is gone
+RENEW_PARTS = 6  # a holder renews every ttl / RENEW_PARTS (10 s)
 
 
 def lease_name(generation: int) -> str:
@@ -129,6 +132,28 @@ def _record(me: dict, ttl_s: float, generation: int) -> bytes:
     return json.dumps({**me, "generation": generation, "renewed": time.time(), "ttl_s": ttl_s}).encode()
 
 
+def _here_and_alive(record: dict, me: dict) -> bool:
+    return record.get("host") == me["host"] and isinstance(record.get("pid"), int) and _alive(record["pid"])
+
+
+def _watch(store: Store, held: int, record: dict, say) -> str | None:
+    """Wait until the holder of generation `held` renews (None: it is alive) or its ttl runs out (why
+    it is gone). At most ttl / RENEW_PARTS plus a margin for a live holder, the ttl for a dead one."""
+    ttl = float(record.get("ttl_s", LEASE_TTL_S))
+    renewed = float(record.get("renewed", 0))
+    deadline = time.monotonic() + min(max(renewed + ttl - time.time(), 0.0), ttl) + 1.0
+    say(f"ddp_kit: checkpoint location {store.url} is held by {describe_holder(record, time.time())}; waiting up to "
+        f"{deadline - time.monotonic():.0f}s to see whether that job is still alive")
+    while time.monotonic() < deadline:
+        time.sleep(min(ttl / RENEW_PARTS / 4, max(deadline - time.monotonic(), 0.0)))
+        found = newest(store)
+        if found is None:
+            return "a job that has released it"
+        if found[0] != held or float(found[1].get("renewed", 0)) != renewed:
+            return None  # renewed (or taken by a third job): alive
+    return gone_why(record, {"host": None}, time.time() + 1.0) or f"{record.get('host', '?')} pid {record.get('pid', '?')}, which stopped renewing"
+
+
 def acquire(store: Store, me: dict, ttl_s: float = LEASE_TTL_S, say=None) -> int:
     """Take the location for this job (rank 0, before anything is written); returns the generation held.
     Refused in one line, naming the holder, when another job holds it."""
@@ -139,6 +164,11 @@ def acquire(store: Store, me: dict, ttl_s: float = LEASE_TTL_S, say=None) -> int
         if found is not None:
             held, record = found
             why = gone_why(record, me, time.time())
+            if why is None and not _here_and_alive(record, me):
+                # Maybe a job that just died elsewhere (an evicted pod comes back on another node with
+                # no job id of its own): a live holder renews within RENEW_PARTS of its ttl, a dead one
+                # never again. Watch it that long rather than refuse (exit 2: never retried) at once.
+                why = _watch(store, held, record, say)
             if why is None:
                 raise UserError(
                     f"checkpoint location {store.url!r} is in use by another job ({describe_holder(record, time.time())}): "
@@ -188,7 +218,7 @@ def taken_by(store: Store, generation: int) -> dict | None:
 
 
 class LeaseKeeper:
-    """Rank 0's lease: renewed every ttl/4 by a daemon thread, checked at each commit, deleted at close."""
+    """Rank 0's lease: renewed every ttl/RENEW_PARTS by a daemon thread, checked at each commit, deleted at close."""
 
     def __init__(self, store: Store, me: dict, ttl_s: float = LEASE_TTL_S):
         self.store, self.me, self.ttl_s = store, me, ttl_s
@@ -203,7 +233,7 @@ class LeaseKeeper:
         self._thread.start()
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl_s / 4):
+        while not self._stop.wait(self.ttl_s / RENEW_PARTS):
             try:
                 if taken_by(self.store, self.generation) is not None:
                     return  # the commit says so (lost()); renewing a lease we lost would mislead a reader
@@ -211,7 +241,7 @@ class LeaseKeeper:
                                         _record(self.me, self.ttl_s, self.generation))
             except Exception as exc:  # the store is unreachable for now: the uploads will say so too
                 print(f"ddp_kit: warning: renewing the lease on {self.store.url} failed ({describe(exc)}); "
-                      f"trying again in {self.ttl_s / 4:g}s", file=sys.stderr, flush=True)
+                      f"trying again in {self.ttl_s / RENEW_PARTS:g}s", file=sys.stderr, flush=True)
 
     def lost(self) -> str | None:
         """Before a commit: None while this job holds the location, else who took it over."""
