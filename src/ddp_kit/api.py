@@ -347,6 +347,20 @@ class Run:
                             "call it on every rank before main_only() (rank 0 keeps the result), then use the dict inside")
         return full_state_dict(module, keep=self.is_main or not rank0_only)
 
+    def load_weights(self, model: nn.Module, path: str | os.PathLike, strict: bool = True) -> dict[str, str]:
+        """Load a safetensors file (`python -m ddp_kit.checkpoint export RUN --format safetensors`) into
+        `model`, before or after `prepare`, under any strategy and world size: every rank calls it (under
+        FSDP each keeps its shards). Nothing is unpickled. Returns the file's header (step, strategy,
+        config_hash, versions: strings). Without a Run: ddp_kit.checkpoint.load_weights."""
+        from .checkpoint.weights import load_weights
+
+        module = self.unwrap(model)
+        if in_main_only() and is_sharded(module):
+            raise UserError("run.load_weights(model, ...) was called inside main_only() on a sharded (FSDP) model: "
+                            "it splits the tensors into shards with every rank, and the other ranks skip the block",
+                            "call it on every rank, outside main_only()")
+        return load_weights(module, path, strict=strict)
+
     @contextmanager
     def main_only(self) -> Iterator[bool]:
         """`with run.main_only() as main: if main: ...`: rank-0-only code in which collectives raise at

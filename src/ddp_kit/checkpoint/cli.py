@@ -2,14 +2,18 @@
 
     python -m ddp_kit.checkpoint list RUN_DIR|URL
     python -m ddp_kit.checkpoint export RUN_DIR|URL --out model.pt [--step N|latest] [--name model]
+    python -m ddp_kit.checkpoint export RUN_DIR|URL --out model.safetensors [--format safetensors]
 
 A URL is a run's ckpt_dir on an object store (s3://bucket/prefix, gs://, az://, file:///path), read
 through the same code as the run (store.py), with no process group. On a store `list` checks each
 step's manifest and object sizes; `export` downloads the step and verifies every checksum first.
+`--format safetensors` (the default for an --out ending in .safetensors) writes the whole model
+without pickle, the checkpoint's step, strategy and config hash in its header (weights.py).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -17,10 +21,11 @@ from pathlib import Path
 
 from ..errors import EXIT_USER_ERROR, UserError
 from ..reliability.run_dir import RunDir
-from . import layout
+from . import layout, weights
 from .folder import list_checkpoints, read_meta, validate
 
 LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
+FORMATS = ("pt", "safetensors")
 
 
 def _run_dir(run_dir: str) -> Path:
@@ -131,17 +136,36 @@ def list_(run_dir: str) -> None:
               + (f"  -- {reason}" if reason else ""))
 
 
-def export(run_dir: str, out: str, step: int | str | None = None, name: str = "model") -> None:
+def _format(format, dest: Path) -> str:
+    """pt or safetensors: as given, else by the suffix of --out (.safetensors; anything else pt). A
+    suffix that names the other format is refused: whoever receives the file goes by its name."""
+    said = {weights.SUFFIX: "safetensors", ".pt": "pt", ".pth": "pt"}.get(dest.suffix.lower())
+    if format is not None and format not in FORMATS:
+        raise UserError(f"--format expects {' or '.join(FORMATS)}; got {format!r}", "e.g. --format safetensors")
+    fmt = format or said or "pt"
+    if said not in (None, fmt):
+        raise UserError(f"--format {fmt} does not match --out {str(dest)!r}",
+                        f"name the file {dest.with_suffix(weights.SUFFIX if fmt == 'safetensors' else '.pt').name}, "
+                        "or drop --format")
+    if fmt == "safetensors":
+        weights.require()  # a missing package is said before anything is downloaded or assembled
+    return fmt
+
+
+def export(run_dir: str, out: str, step: int | str | None = None, name: str = "model", format: str | None = None) -> None:
     """Write the model weights of checkpoint STEP (default: newest valid; latest: the one `latest`
-    names) as a plain state_dict file. A sharded (strategy fsdp) checkpoint is assembled in this
+    names) as a plain state_dict file: torch.save (--format pt) or safetensors (--format safetensors,
+    the default for --out *.safetensors). A sharded (strategy fsdp) checkpoint is assembled in this
     process; `name` picks another registered model of it (e.g. model_1). RUN_DIR may be a ckpt_dir URL."""
     if "://" in str(run_dir):
         dest, step = _out_path(out), _step(step)
+        fmt = _format(format, dest)
         with tempfile.TemporaryDirectory(prefix="ddp_kit-export-") as cache:
             path = _fetch_from_store(str(run_dir), step, Path(cache))
-            return _write_export(path, dest, str(name), f"{str(run_dir).rstrip('/')}/{path.name}")
+            return _write_export(path, dest, str(name), f"{str(run_dir).rstrip('/')}/{path.name}", fmt)
     root = _run_dir(run_dir)
     dest = _out_path(out)
+    fmt = _format(format, dest)
     step = _step(step)
 
     if (root / layout.MANIFEST).exists() or (root / layout.MODEL).exists():  # RUN_DIR is a step folder
@@ -164,7 +188,7 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     reason = validate(path)
     if reason:
         raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
-    _write_export(path, dest, str(name))
+    _write_export(path, dest, str(name), fmt=fmt)
 
 
 def _fetch_from_store(url: str, step: int | str | None, cache: Path) -> Path:
@@ -202,11 +226,19 @@ def _fetch_from_store(url: str, step: int | str | None, cache: Path) -> Path:
     raise UserError(f"no valid checkpoint{which} under {where.url!r}{why}", hint)
 
 
-def _write_export(path: Path, dest: Path, name: str, shown: str | None = None) -> None:
+def _write_export(path: Path, dest: Path, name: str, shown: str | None = None, fmt: str = "pt") -> None:
     """Write object `name` of the checkpoint in `path` to `dest` (`shown`: what the message calls the step)."""
     import torch
 
     state = _read_object(path, name)
+    if fmt == "safetensors":
+        meta = read_meta(path) if (path / layout.META).is_file() else {}
+        head = weights.save_weights(state, dest, weights.header(meta, name), what=f"{name!r} of {path.name}")
+        shared = json.loads(head.get("shared", "{}"))
+        note = f"; {len(shared)} sharing memory, each written whole: {', '.join(sorted(shared))[:200]}" if shared else ""
+        print(f"exported {len(state)} tensors of {name!r} from {shown or path} to {dest} "
+              f"(safetensors, step {head.get('step', '?')}{note})")
+        return
     # Written beside the target and renamed: an interrupted export never leaves a truncated model.pt
     # where an inference job would pick it up.
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
