@@ -453,7 +453,9 @@ def test_run_dir_checks_say_where_local_outputs_stay_and_check_a_ckpt_dir_folder
 # ---- a bucket (or folder) that names files outside the step --------------------------------------
 
 FORGED_NAMES = ["../../escaped.pt", "../../../../../../../../../../../../tmp/escaped-up.pt", "/tmp/escaped-abs.pt",
-                "dcp/../../escaped.pt", "a/b/escaped.pt", "..", ""]
+                "dcp/../../escaped.pt", "a/b/escaped.pt", "..", "",
+                # names a reader's own files would collide with, or the disk cannot hold
+                "dcp", "manifest.json", ".lock", ".verified", "model.pt.part", "escaped" * 40 + ".pt"]
 
 
 def _forge(fs, step_path: str, name: str) -> None:
@@ -523,11 +525,11 @@ def test_a_folder_checkpoint_whose_manifest_names_a_file_outside_is_invalid(tmp_
 
 # ---- one writer per location: the lease ------------------------------------------------------------
 
-def _other_job(host="node-b", pid=4242, job_id="other", renewed_ago=0.0, ttl_s=60.0):
+def _other_job(host="node-b", pid=4242, job_id="other", renewed_ago=0.0, ttl_s=60.0, restart_count=0):
     import time
 
-    return {"host": host, "pid": pid, "job_id": job_id, "batch_job_id": None, "generation": 1,
-            "renewed": time.time() - renewed_ago, "ttl_s": ttl_s}
+    return {"host": host, "pid": pid, "job_id": job_id, "batch_job_id": None, "generation": 1, "token": "theirs",
+            "restart_count": restart_count, "renewed": time.time() - renewed_ago, "ttl_s": ttl_s}
 
 
 def test_a_second_job_on_one_url_is_refused_in_one_line_before_it_writes_anything(url):
@@ -548,23 +550,28 @@ def test_a_second_job_on_one_url_is_refused_in_one_line_before_it_writes_anythin
     assert f"checkpoint location {url!r} is in use by another job (host " in line and "pid" in line, line
     assert "give this job its own ckpt_dir" in line and "\n" not in line
     assert _objects(first) == before  # refused before it wrote a thing
-    # the first job still commits, and at its end releases the location
+    # the first job still commits, and at its end releases the location (marked, not deleted)
     _save(first, 2)
     first.close()
-    assert not [r for r in _objects(second) if r.startswith(lease.LEASE_PREFIX)]
-    assert lease.acquire(second.store, {**me, "host": "node-b"}) >= 1
+    held, record = lease.newest(second.store)
+    assert record.get("released") is True
+    assert lease.acquire(second.store, {**me, "host": "node-b"})[0] == held + 1
     second.close()
+
+
+HERE = "this host's boot and pid namespace"
 
 
 @pytest.mark.parametrize("holder,renews,taken", [
     (dict(renewed_ago=120.0), False, True),  # stopped renewing for longer than its ttl
     (dict(renewed_ago=0.5, ttl_s=2.0), True, False),  # alive elsewhere: it renews while we watch
     (dict(renewed_ago=0.5, ttl_s=2.0), False, True),  # died elsewhere just now (an evicted pod): its ttl runs out
-    (dict(host=None, pid=2**22 + 12345, renewed_ago=1.0), False, True),  # a dead process on this host
-    (dict(job_id="mine", renewed_ago=1.0), False, True),  # an earlier attempt of this job (restart, requeue)
+    (dict(host=HERE, pid=2**22 + 12345, renewed_ago=1.0), False, True),  # a dead process on this host
+    (dict(host=HERE, start="1", renewed_ago=1.0), False, True),  # our own pid number, another process (a recreated pod)
+    (dict(job_id="mine", renewed_ago=1.0), False, True),  # an earlier attempt of this job (a lower restart count)
+    (dict(job_id="mine", restart_count=1, renewed_ago=0.5, ttl_s=2.0), True, False),  # same job id, not earlier: a twin
 ])
 def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder, renews, taken):
-    import socket
     import threading
     import time
 
@@ -572,7 +579,12 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder
     from ddp_kit.errors import UserError
 
     where = store_fs.open_store(_url())
-    record = _other_job(**{**holder, "host": holder.get("host", "node-b") or socket.gethostname()})
+    me, said = lease.identity("mine", None, restart_count=1), []
+    if holder.get("host") == HERE:
+        record = {**_other_job(), **{k: me[k] for k in ("host", "pid", "boot_id", "pidns", "start")},
+                  **{k: v for k, v in holder.items() if k in ("pid", "start")}}
+    else:
+        record = _other_job(**holder)
     where.fs.pipe_file(where.path(lease.lease_name(1)), json.dumps(record).encode())
     stop = threading.Event()
 
@@ -583,10 +595,9 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder
     keeper = threading.Thread(target=holder_renews, daemon=True)
     if renews:
         keeper.start()
-    me, said = lease.identity("mine", None), []
     try:
         if taken:
-            assert lease.acquire(where, me, say=said.append) == 2
+            assert lease.acquire(where, me, say=said.append)[0] == 2
             assert lease.newest(where)[1]["pid"] == me["pid"]
             assert not where.fs.exists(where.path(lease.lease_name(1)))
         else:
@@ -614,19 +625,21 @@ def test_two_jobs_racing_for_one_generation_leave_exactly_one_holder():
 
     with ThreadPoolExecutor(8) as pool:
         won = [g for g in pool.map(try_, range(8)) if g is not None]
-    assert won == [1], won
+    assert [g for g, _ in won] == [1], won
 
 
-def test_a_job_taken_over_stops_at_its_next_commit_without_writing_it(url):
+@pytest.mark.parametrize("taker_done", [False, True])
+def test_a_job_taken_over_stops_at_its_next_commit_without_writing_it(url, taker_done):
     from ddp_kit.checkpoint import lease, open_backend
     from ddp_kit.errors import UserError
 
     ck = open_backend(url, _alone(), keep_last=0)
     _save(ck, 1)
     ck.wait()
-    # another job took the location after this one stopped renewing (a frozen node)
+    # another job took the location after this one stopped renewing (a frozen node), and may even
+    # have finished and released it since: this one is still not the holder
     ck.store.fs.pipe_file(ck.store.path(lease.lease_name(ck._lease.generation + 1)),
-                          json.dumps(_other_job()).encode())
+                          json.dumps({**_other_job(), "released": taker_done}).encode())
     with pytest.raises(UserError) as err:
         _save(ck, 2)
         ck.wait()
@@ -757,3 +770,37 @@ def test_a_rank_downloads_only_the_dcp_shards_its_load_plan_reads(tmp_path, monk
     assert len(fetched) == 1 and fetched[0][len("dcp/"):] in shards, counting.counts
     assert counting.counts["dcp/.metadata"] == 1
     rank.close()
+
+
+def test_a_cached_file_is_vouched_for_only_once_its_new_bytes_are_verified(tmp_path, monkeypatch):
+    """The node's cache holds step 3 as first saved; the step is saved again (other bytes) and its new
+    model.pt then goes missing from the store: the fetch says so, and the old bytes in the cache are
+    not vouched for under the new checksum (a later fetch must not trust them)."""
+    import shutil
+    import tempfile
+
+    from ddp_kit.checkpoint import layout, store
+    from ddp_kit.checkpoint.backend import Found
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = _url()
+    ck = ObjectStoreCheckpointer(_alone(), url)
+    _save(ck, 3, value=1.0)
+    ck.wait()
+    found = Found(f"{url}/step_3", 3)
+    assert ck.load(found)[0]["model"]["w"].tolist() == [1.0] * 4  # now in the node's cache
+    cached = next(tmp_path.rglob("model.pt"))
+    left = tmp_path / "left"
+    shutil.copytree(cached.parent, left)  # what a killed attempt leaves in the cache
+    _save(ck, 3, value=2.0)  # the same step number, other bytes (a resume from an older step)
+    ck.wait()
+    shutil.rmtree(cached.parent, ignore_errors=True)
+    shutil.copytree(left, cached.parent)
+    ck.store.fs.rm_file(ck.store.path("step_3", layout.MODEL))
+    manifest = store.read_manifest(ck.store, 3)
+    said = store.fetch(ck.store, f"{url}/step_3", cached.parent, manifest)
+    assert said == "model.pt is missing", said
+    assert not cached.exists() or store._read_verified(cached.parent).get("model.pt") != manifest["files"]["model.pt"]["sha256"]
+    assert store.fetch(ck.store, f"{url}/step_3", cached.parent, manifest) == "model.pt is missing"
+    ck.close()

@@ -113,6 +113,8 @@ class Checkpointer:
             shards = self._write_sharded(self._open_tmp(step), sharded, now=False) if sharded is not None else None
             self._thread = threading.Thread(target=self._run_async, args=(step, shared, per_rank, meta, shards),
                                             name=f"ddp_kit-ckpt-{step}", daemon=False)
+            # measured before the writer starts: on a busy host it may commit before this thread runs on
+            self.blocking_s[step] = time.monotonic() - started
             self._thread.start()
         else:
             if self.ctx.device.type == "cuda":  # plain CPU tensors on disk: loadable with no GPU
@@ -121,10 +123,11 @@ class Checkpointer:
                 staged = self._stage(step, shared, per_rank, meta, sharded)
                 self._thread = threading.Thread(target=self._run_async, args=(step, {}, {}, meta, None, staged),
                                                 name=f"ddp_kit-ckpt-{step}", daemon=False)
+                self.blocking_s[step] = time.monotonic() - started
                 self._thread.start()
             else:
                 self._commit(step, shared, per_rank, meta, sharded)
-        self.blocking_s[step] = time.monotonic() - started
+                self.blocking_s[step] = time.monotonic() - started
 
     def take_timings(self) -> list[dict[str, float]]:
         """The checkpoints committed since the last call: step, seconds the loop was blocked, seconds

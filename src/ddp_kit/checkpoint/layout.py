@@ -56,7 +56,9 @@ def member_problem(name: object) -> str | None:
         return "names an empty file"
     parts = name.split("/")
     if (len(parts) > 2 or (len(parts) == 2 and parts[0] != DCP) or any(p in ("", ".", "..") for p in parts)
-            or "\\" in name or not name.isprintable()):
+            or "\\" in name or not name.isprintable() or name in (DCP, MANIFEST) or len(name.encode()) > 200
+            or parts[-1].startswith((".lock", ".verified")) or parts[-1].endswith((".part", ".tmp"))):
+        # the last: a reader's own bookkeeping beside the files (store.fetch's download folder)
         return f"names {name[:80]!r}, which is not a file inside the step"
     return None
 

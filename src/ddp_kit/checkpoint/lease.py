@@ -10,15 +10,19 @@ exposes that as `pipe_file(..., mode="create")`.
     <url>/.lease.<generation>   JSON: the holder (host, pid, job ids), when it last renewed, its ttl
 
 The newest generation holds the location. A job starting finds it and
-- creates the next generation when there is none, or when the holder is gone: its lease was not
-  renewed for its ttl, it is a dead process on this host, or it is an earlier attempt of this same job
-  (a torchrun restart or a SLURM requeue: the same job id). Of two jobs that race for one generation,
-  the conditional write lets exactly one win; the other then finds a live holder.
+- creates the next generation when there is none, or when the holder is gone: it released it, its
+  lease was not renewed for its ttl, it is a dead process of this host's boot and pid namespace (pid
+  and start time), or it is an earlier attempt of this same job (the same job id with a lower restart
+  count: a torchrun restart, a SLURM requeue). Of two jobs that race for one generation, the
+  conditional write lets exactly one win (and a token read back catches a store that ignores the
+  condition); the other then finds a live holder.
 - is refused in one line naming the holder otherwise, before it writes any checkpoint: at once when the
   holder is a live process on this host, else once it has seen the holder renew (a live holder renews
   every ttl/6; a dead one's ttl runs out meanwhile, and it is taken over).
-A holder that finds a newer generation than its own when it commits (it stopped renewing long enough
-to be taken over: a frozen or partitioned node) stops without committing.
+A holder that finds a newer generation than its own, or its own record gone or not its own, when it
+commits (it stopped renewing long enough to be taken over: a frozen or partitioned node) stops without
+committing. At its end a holder marks its record released rather than deleting it, so generation
+numbers only grow.
 
 Staleness compares the holder's wall clock with the reader's: clocks must agree within a small part of
 the ttl (NTP does). A client whose file system does not take mode="create" falls back to look, then
@@ -26,8 +30,10 @@ write, which is not atomic against a job that starts in the same instant.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -35,6 +41,7 @@ import time
 from typing import Any
 
 from ..errors import UserError
+from . import layout
 from .layout import LEASE_PREFIX
 from .store_fs import Store, describe
 
@@ -51,15 +58,42 @@ def generation_of(name: str) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
-def identity(job_id: str | None, batch_job_id: str | None) -> dict[str, Any]:
-    """Who this process is, as the lease records it."""
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "job_id": job_id if job_id not in (None, "", "none") else None, "batch_job_id": batch_job_id or None}
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat): with the boot
+    and the pid namespace, it tells a pid from the same number reused by another process."""
+    stat = _read(f"/proc/{pid}/stat")
+    try:
+        return stat.rsplit(")", 1)[1].split()[19] if stat else None
+    except IndexError:
+        return None
+
+
+def identity(job_id: str | None, batch_job_id: str | None, restart_count: int = 0) -> dict[str, Any]:
+    """Who this process is, as the lease records it. A pod recreated under the same name has the same
+    hostname and often the same pid numbers: the boot, the pid namespace and the start time say
+    whether a recorded pid is really the same process (checked only where all three are known)."""
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pidns": pidns, "start": _start_time(os.getpid()),
+            "job_id": job_id if job_id not in (None, "", "none") else None, "batch_job_id": batch_job_id or None,
+            "restart_count": int(restart_count or 0)}
 
 
 def newest(store: Store) -> tuple[int, dict] | None:
     """(generation, record) of the newest lease under the location; None when there is none. A record
-    that cannot be read (being written) counts as a fresh one of an unknown holder."""
+    that cannot be read (being written, or a writer killed half-way) counts as renewed when the object
+    was last modified: its ttl runs out like any other's."""
     store.fs.invalidate_cache(store.root)
     try:
         names = store.fs.glob(store.path(LEASE_PREFIX + "*"))
@@ -67,37 +101,49 @@ def newest(store: Store) -> tuple[int, dict] | None:
         return None
     gens = sorted((g for n in names if (g := generation_of(str(n))) is not None), reverse=True)
     for g in gens:
+        path = store.path(lease_name(g))
         try:
-            return g, json.loads(store.fs.cat_file(store.path(lease_name(g))))
-        except FileNotFoundError:  # deleted since the listing (released, or an old generation cleaned up)
+            record = json.loads(store.fs.cat_file(path))
+            if isinstance(record, dict):
+                return g, record
+        except FileNotFoundError:  # deleted since the listing (an old generation cleaned up)
             continue
         except ValueError:
-            return g, {"renewed": time.time()}
+            pass
+        try:
+            modified = store.fs.modified(path).timestamp()
+        except Exception:  # a file system that does not say: as if just written
+            modified = time.time()
+        return g, {"renewed": modified, "unreadable": True}
     return None
 
 
+def _same_process_space(record: dict, me: dict) -> bool:
+    """Whether pids in `record` name processes this one can see: the same host, boot and pid namespace."""
+    return all(record.get(k) is not None and record.get(k) == me.get(k) for k in ("host", "boot_id", "pidns"))
+
+
+def _alive(record: dict) -> bool:
+    """Whether the recorded process still runs (same process space only): its pid with its start time."""
+    pid = record.get("pid")
+    return isinstance(pid, int) and _start_time(pid) is not None and _start_time(pid) == record.get("start")
+
+
 def gone_why(record: dict, me: dict, now: float) -> str | None:
-    """Why the holder of `record` no longer holds the location (None: it does)."""
-    for key in ("job_id", "batch_job_id"):
-        if me.get(key) and record.get(key) == me[key]:
+    """Why the holder of `record` no longer holds the location; None when it does or may."""
+    if record.get("released"):
+        return "a job that has released it"
+    for key in ("job_id", "batch_job_id"):  # a later attempt of the same job: restart, requeue
+        if (me.get(key) and record.get(key) == me[key]
+                and int(me.get("restart_count", 0)) > int(record.get("restart_count", 0))):
             return f"an earlier attempt of this job ({key.replace('_', ' ')} {me[key]})"
-    if record.get("host") == me["host"] and isinstance(record.get("pid"), int) and not _alive(record["pid"]):
-        return f"process {record['pid']} on this host, which has exited"
+    if _same_process_space(record, me) and not _alive(record):
+        return f"process {record.get('pid')} on this host, which has exited"
     age = now - float(record.get("renewed", 0))
     ttl = float(record.get("ttl_s", LEASE_TTL_S))
     if age > ttl:
         return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which last renewed {age:.0f}s ago (ttl {ttl:g}s)"
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def describe_holder(record: dict, now: float) -> str:
@@ -112,31 +158,45 @@ def create_only(store: Store, path: str, body: bytes) -> bool:
     try:
         from fsspec.implementations.local import LocalFileSystem
 
-        if isinstance(store.fs, LocalFileSystem):  # O_EXCL: atomic on a local or mounted folder
+        if isinstance(store.fs, LocalFileSystem):  # link(2) fails if the name exists: atomic, and whole
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "xb") as f:
+            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            with open(tmp, "wb") as f:
                 f.write(body)
+            try:
+                os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
             return True
         try:
             store.fs.pipe_file(path, body, mode="create")
-        except TypeError:  # a client without conditional writes: look, then write
+        except TypeError:  # a client without conditional writes: look, then write (the read-back decides)
             if store.fs.exists(path):
                 return False
             store.fs.pipe_file(path, body)
         return True
     except FileExistsError:
         return False
+    except OSError as exc:  # S3: 409 ConditionalRequestConflict, a conditional write racing another
+        if "Conflict" in str(exc) or "Precondition" in str(exc) or getattr(exc, "errno", None) == errno.EINVAL:
+            return False
+        raise
 
 
-def _record(me: dict, ttl_s: float, generation: int) -> bytes:
-    return json.dumps({**me, "generation": generation, "renewed": time.time(), "ttl_s": ttl_s}).encode()
+def _record(me: dict, ttl_s: float, generation: int, token: str, **more: Any) -> bytes:
+    return json.dumps({**me, "generation": generation, "token": token, "renewed": time.time(), "ttl_s": ttl_s,
+                       **more}).encode()
 
 
-def _here_and_alive(record: dict, me: dict) -> bool:
-    return record.get("host") == me["host"] and isinstance(record.get("pid"), int) and _alive(record["pid"])
+def _read_record(store: Store, generation: int) -> dict | None:
+    try:
+        record = json.loads(store.fs.cat_file(store.path(lease_name(generation))))
+        return record if isinstance(record, dict) else None
+    except (FileNotFoundError, ValueError):
+        return None
 
 
-def _watch(store: Store, held: int, record: dict, say) -> str | None:
+def _watch(store: Store, held: int, record: dict, me: dict, say) -> str | None:
     """Wait until the holder of generation `held` renews (None: it is alive) or its ttl runs out (why
     it is gone). At most ttl / RENEW_PARTS plus a margin for a live holder, the ttl for a dead one."""
     ttl = float(record.get("ttl_s", LEASE_TTL_S))
@@ -148,15 +208,17 @@ def _watch(store: Store, held: int, record: dict, say) -> str | None:
         time.sleep(min(ttl / RENEW_PARTS / 4, max(deadline - time.monotonic(), 0.0)))
         found = newest(store)
         if found is None:
+            return "a job whose lease is gone"
+        if found[1].get("released"):
             return "a job that has released it"
         if found[0] != held or float(found[1].get("renewed", 0)) != renewed:
             return None  # renewed (or taken by a third job): alive
-    return gone_why(record, {"host": None}, time.time() + 1.0) or f"{record.get('host', '?')} pid {record.get('pid', '?')}, which stopped renewing"
+    return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which stopped renewing (ttl {ttl:g}s)"
 
 
-def acquire(store: Store, me: dict, ttl_s: float = LEASE_TTL_S, say=None) -> int:
-    """Take the location for this job (rank 0, before anything is written); returns the generation held.
-    Refused in one line, naming the holder, when another job holds it."""
+def acquire(store: Store, me: dict, ttl_s: float = LEASE_TTL_S, say=None) -> tuple[int, str]:
+    """Take the location for this job (rank 0, before anything is written); returns the generation held
+    and this holder's token. Refused in one line, naming the holder, when another job holds it."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     for _ in range(5):  # a race lost to a job that then exits at once: look again
         found = newest(store)
@@ -164,44 +226,53 @@ def acquire(store: Store, me: dict, ttl_s: float = LEASE_TTL_S, say=None) -> int
         if found is not None:
             held, record = found
             why = gone_why(record, me, time.time())
-            if why is None and not _here_and_alive(record, me):
+            if why is None and not (_same_process_space(record, me) and _alive(record)):
                 # Maybe a job that just died elsewhere (an evicted pod comes back on another node with
                 # no job id of its own): a live holder renews within RENEW_PARTS of its ttl, a dead one
                 # never again. Watch it that long rather than refuse (exit 2: never retried) at once.
-                why = _watch(store, held, record, say)
+                why = _watch(store, held, record, me, say)
             if why is None:
                 raise UserError(
                     f"checkpoint location {store.url!r} is in use by another job ({describe_holder(record, time.time())}): "
                     f"two jobs writing one location delete each other's checkpoints",
                     f"give this job its own ckpt_dir, or stop the other job; a job that stops renewing its lease "
                     f"(.lease.* under the location) for {float(record.get('ttl_s', ttl_s)):g}s is taken over")
-            if "earlier attempt" not in why:  # a requeue or restart taking its own lease back is not news
+            if "earlier attempt" not in why and "released" not in why:  # restarts and clean ends are not news
                 say(f"ddp_kit: taking over checkpoint location {store.url} from {why}")
             gen = held + 1
-        if create_only(store, store.path(lease_name(gen)), _record(me, ttl_s, gen)):
-            for old in range(max(1, gen - 3), gen):  # older generations: no longer anyone's
+        token = secrets.token_hex(8)
+        # A store that ignores the condition (an S3-compatible server, an old client) lets two writers
+        # both "create": the one whose token is read back holds it, the other looks again.
+        if create_only(store, store.path(lease_name(gen)), _record(me, ttl_s, gen, token)):
+            if (_read_record(store, gen) or {}).get("token") != token:
+                continue
+            for old in range(max(1, gen - 3), gen):  # older generations: no longer anyone's (numbers only grow)
                 try:
                     store.fs.rm_file(store.path(lease_name(old)))
-                except (FileNotFoundError, OSError):
+                except OSError:
                     pass
-            return gen
+            return gen, token
     raise UserError(f"checkpoint location {store.url!r}: could not take its lease (other jobs keep taking it)",
                     "make sure only one job writes this location")
 
 
 def abort_incomplete_uploads(store: Store) -> int:
-    """Abort the multipart uploads under the location that an earlier attempt started and never finished
-    (killed midway): invisible to listings, billed all the same. Only S3 has them as separate objects
-    (s3fs aborts the ones that fail in its process); called by the lease holder, so none is another
-    job's. Returns how many were aborted."""
+    """Abort the multipart uploads of this location's steps that an earlier attempt started and never
+    finished (killed midway): invisible to listings, billed all the same. Only S3 keeps them (s3fs
+    aborts the ones that fail in its process); called by the lease holder, so none is another job's
+    (a location nested under this one, e.g. replica_<g>/, is left alone). Returns how many were aborted."""
     call = getattr(store.fs, "call_s3", None)
     if call is None:
         return 0
     bucket, key, _ = store.fs.split_path(store.root)
+    prefix = key.rstrip("/") + "/"
     aborted, marker = 0, {}
     while True:
-        page = call("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/", **marker)
+        page = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
         for upload in page.get("Uploads", []):
+            head = upload["Key"][len(prefix):].split("/", 1)[0]
+            if layout.step_of(head) is None:
+                continue
             call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted += 1
         if not page.get("IsTruncated"):
@@ -209,50 +280,68 @@ def abort_incomplete_uploads(store: Store) -> int:
         marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
 
-def taken_by(store: Store, generation: int) -> dict | None:
-    """None while `generation` is still the newest lease; else the record of the one that took over."""
+def taken_by(store: Store, generation: int, token: str) -> dict | None:
+    """None while this holder's record (`generation`, `token`) is the newest lease; else the record that
+    replaced it (a newer generation, or its own overwritten), or {} when it is gone altogether."""
     found = newest(store)
-    if found is None or found[0] <= generation:
-        return None
-    return found[1]
+    if found is not None and found[0] > generation:
+        return found[1]
+    mine = _read_record(store, generation)
+    if mine is None or mine.get("token") != token or mine.get("released"):
+        return mine if mine is not None and not mine.get("released") else {}
+    return None
 
 
 class LeaseKeeper:
-    """Rank 0's lease: renewed every ttl/RENEW_PARTS by a daemon thread, checked at each commit, deleted at close."""
+    """Rank 0's lease: renewed every ttl/RENEW_PARTS by a daemon thread, checked at each commit, marked
+    released at close (not deleted: generation numbers only grow, so a holder taken over while frozen
+    never finds itself the newest again)."""
 
     def __init__(self, store: Store, me: dict, ttl_s: float = LEASE_TTL_S):
         self.store, self.me, self.ttl_s = store, me, ttl_s
-        self.generation = acquire(store, me, ttl_s)
+        self.generation, self.token = acquire(store, me, ttl_s)
+        self._lock = threading.Lock()  # one writer of our record at a time: renewal or release
+        self._released = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="ddp_kit-ckpt-lease", daemon=True)
+        self._thread.start()
         try:
             abort_incomplete_uploads(store)
         except Exception as exc:  # housekeeping: never a reason not to train
             print(f"ddp_kit: warning: could not abort incomplete uploads under {store.url} ({describe(exc)}); "
                   f"a lifecycle rule on the bucket removes them (README: object storage)", file=sys.stderr, flush=True)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew, name="ddp_kit-ckpt-lease", daemon=True)
-        self._thread.start()
+
+    def _write(self, **more: Any) -> bool:
+        """Rewrite our record (renewed now) if it is still ours; whether it was."""
+        with self._lock:
+            if self._released or taken_by(self.store, self.generation, self.token) is not None:
+                return False  # never re-create or overwrite a lease we no longer hold
+            self.store.fs.pipe_file(self.store.path(lease_name(self.generation)),
+                                    _record(self.me, self.ttl_s, self.generation, self.token, **more))
+            return True
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / RENEW_PARTS):
             try:
-                if taken_by(self.store, self.generation) is not None:
-                    return  # the commit says so (lost()); renewing a lease we lost would mislead a reader
-                self.store.fs.pipe_file(self.store.path(lease_name(self.generation)),
-                                        _record(self.me, self.ttl_s, self.generation))
+                if not self._write():
+                    return  # the next commit says so (lost())
             except Exception as exc:  # the store is unreachable for now: the uploads will say so too
                 print(f"ddp_kit: warning: renewing the lease on {self.store.url} failed ({describe(exc)}); "
                       f"trying again in {self.ttl_s / RENEW_PARTS:g}s", file=sys.stderr, flush=True)
 
     def lost(self) -> str | None:
         """Before a commit: None while this job holds the location, else who took it over."""
-        record = taken_by(self.store, self.generation)
-        return None if record is None else describe_holder(record, time.time())
+        record = taken_by(self.store, self.generation, self.token)
+        if record is None:
+            return None
+        return describe_holder(record, time.time()) if record else "its lease object was removed"
 
     def release(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
         try:
-            if taken_by(self.store, self.generation) is None:
-                self.store.fs.rm_file(self.store.path(lease_name(self.generation)))
+            self._write(released=True)
         except Exception:  # the next job takes over once the ttl has passed
             pass
+        with self._lock:
+            self._released = True
+        self._thread.join(timeout=5)

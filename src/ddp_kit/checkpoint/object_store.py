@@ -78,7 +78,7 @@ def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError |
     def take() -> None:
         nonlocal keeper  # stays on rank 0
         try:
-            keeper = LeaseKeeper(where, identity(ctx.env.job_id, ctx.env.batch_job_id), lease_ttl_s)
+            keeper = LeaseKeeper(where, identity(ctx.env.job_id, ctx.env.batch_job_id, ctx.env.restart_count), lease_ttl_s)
         except UserError:
             raise
         except Exception as exc:  # a missing bucket, no credentials, a read-only bucket: said as the probe says it
@@ -134,10 +134,24 @@ def probe(ctx: DistContext, where: Store) -> None:
 
 
 def local_area(url: str, rank: int | None) -> Path:
-    """This rank's node-local folder for `url` (its saves being uploaded), or with rank None the node's
-    download cache, which the ranks of a node share (store.fetch: one download per node)."""
+    """This process's node-local folder for `url` (rank `rank`'s saves being uploaded), or with rank None
+    the node's download cache, which the ranks of a node share (store.fetch: one download per node).
+    The staging folder names its process: a second job refused on the same node must not touch the
+    first one's uploads. The host is in the name in case TMPDIR is on a shared file system."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"ddp_kit-{os.getuid()}" / (f"{digest}-rank{rank}" if rank is not None else f"{digest}-cache")
+    base = Path(tempfile.gettempdir()) / f"ddp_kit-{os.getuid()}"
+    if rank is None:
+        return base / f"{digest}-{socket.gethostname()}-cache"
+    return base / f"{digest}-{socket.gethostname()}-rank{rank}-pid{os.getpid()}"
+
+
+def _remove_dead_staging(area: Path) -> None:
+    """The staging folders of this URL and rank left by processes of this host that have exited."""
+    head = area.name.rsplit("-pid", 1)[0] + "-pid"
+    for other in area.parent.glob(head + "*") if area.parent.is_dir() else ():
+        pid = other.name[len(head):]
+        if other != area and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(other, ignore_errors=True)
 
 
 class ObjectStoreCheckpointer(Checkpointer):
@@ -158,7 +172,8 @@ class ObjectStoreCheckpointer(Checkpointer):
                 self._problem = err
         url = where.url if isinstance(where, Store) else where
         self.local = local_area(url, ctx.rank)
-        shutil.rmtree(self.local, ignore_errors=True)  # a killed process's staging
+        shutil.rmtree(self.local, ignore_errors=True)
+        _remove_dead_staging(self.local)  # a killed process's uploads never resume: its staging goes
         # Not emptied here: another rank of this node may be downloading into it already. Whatever a
         # killed process left is verified before use (store.fetch) and emptied at the first save.
         self.cache = local_area(url, None)
@@ -283,7 +298,10 @@ class ObjectStoreCheckpointer(Checkpointer):
         # `latest` first, as the folder backend does: a kill between the two leaves `latest` naming a
         # step without its manifest, and resume falls back to the one before; the other order would
         # leave a complete step above `latest`, which resume takes for an abandoned run's and archives.
-        before = store.read_latest(self.store)
+        try:
+            before = store.read_latest(self.store)
+        except Exception:  # only for putting `latest` back should the manifest fail: not a reason to fail
+            before = None
         error = (self._put(lambda: store.point_latest(self.store, name), self.store.url_of(layout.LATEST))
                  or self._put(lambda: self.store.fs.pipe_file(step_store.path(layout.MANIFEST), body),
                               step_store.url_of(layout.MANIFEST)))
@@ -347,7 +365,8 @@ class ObjectStoreCheckpointer(Checkpointer):
             super().close()
         finally:
             shutil.rmtree(self.local, ignore_errors=True)
-            shutil.rmtree(self.cache, ignore_errors=True)  # every rank has long finished loading
+            if self._checked or self._fetched:  # a job refused at startup leaves the cache to the job holding the URL
+                shutil.rmtree(self.cache, ignore_errors=True)  # every rank has long finished loading
             if self._lease is not None:  # after the last upload: the next job may start at once
                 self._lease.release()
                 self._lease = None

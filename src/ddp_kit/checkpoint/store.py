@@ -10,6 +10,7 @@ save's, never read.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -130,30 +131,39 @@ def fetch(store: Store, step_url: str, dest: Path, manifest: dict, want: Callabl
     with _node_lock(dest):
         verified = _read_verified(dest)
         todo = [n for n in names if verified.get(n) != files[n]["sha256"] or not (dest / n).is_file()]
-        for n in todo:
-            (dest / n).parent.mkdir(parents=True, exist_ok=True)
+        if todo:  # what is about to be replaced is vouched for by nothing until verified again
+            for n in todo:
+                verified.pop(n, None)
+                (dest / n).unlink(missing_ok=True)
+            _write_json(dest / VERIFIED, verified)
+        tag = f".{os.getpid()}.part"  # a download of its own per process, even where flock does not work
 
         def get(n: str) -> str | None:
-            part = dest / f"{n}.part"
+            part = dest / f"{n}{tag}"
             try:
+                part.parent.mkdir(parents=True, exist_ok=True)
                 store.fs.get_file(f"{src}/{n}", str(part))
+                size, sha = part.stat().st_size, sha256_of(part)
+                if size != files[n]["size"]:
+                    return f"{n} is truncated ({size} of {files[n]['size']} bytes)"
+                if sha != files[n]["sha256"]:
+                    return f"{n} is corrupt (checksum mismatch)"
+                os.replace(part, dest / n)
             except FileNotFoundError:
                 return f"{n} is missing"
-            size, sha = part.stat().st_size, sha256_of(part)
-            if size != files[n]["size"]:
-                return f"{n} is truncated ({size} of {files[n]['size']} bytes)"
-            if sha != files[n]["sha256"]:
-                return f"{n} is corrupt (checksum mismatch)"
-            os.replace(part, dest / n)
+            except OSError as exc:  # a name the local disk cannot hold, a full disk: this step is not usable here
+                return f"{n} cannot be downloaded ({type(exc).__name__}: {exc.strerror or exc})"
+            finally:
+                part.unlink(missing_ok=True)
             return None
 
         with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="ddp_kit-ckpt-get") as pool:
-            errors = [r for r in pool.map(get, todo) if r]
-        verified.update({n: files[n]["sha256"] for n in todo if (dest / n).is_file() and not (dest / f"{n}.part").exists()})
-        for n in todo:
-            (dest / f"{n}.part").unlink(missing_ok=True)
-        (dest / layout.MANIFEST).write_text(json.dumps(manifest))
-        _write_verified(dest, verified)
+            results = dict(zip(todo, pool.map(get, todo)))
+        errors = [r for r in results.values() if r]
+        verified.update({n: files[n]["sha256"] for n, r in results.items() if r is None})
+        if _read_json(dest / layout.MANIFEST) != manifest:  # readers of this folder read it unlocked: whole
+            _write_json(dest / layout.MANIFEST, manifest)
+        _write_json(dest / VERIFIED, verified)
     if errors:
         return errors[0]
     from .safe_load import check_folder  # torch only here
@@ -167,26 +177,36 @@ _LOCK = ".lock"
 
 @contextmanager
 def _node_lock(dest: Path):
+    """The node's ranks one at a time in `dest`. Where the file system has no flock (TMPDIR on a
+    network file system), downloads go on unlocked: each into a name of its own, renamed whole."""
     fd = os.open(dest / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
         yield
     finally:
         os.close(fd)  # closing drops the flock
 
 
 def _read_verified(dest: Path) -> dict[str, str]:
+    found = _read_json(dest / VERIFIED)
+    return found if isinstance(found, dict) else {}
+
+
+def _read_json(path: Path):
     try:
-        found = json.loads((dest / VERIFIED).read_text())
-        return found if isinstance(found, dict) else {}
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        return None
 
 
-def _write_verified(dest: Path, verified: dict[str, str]) -> None:
-    tmp = dest / f"{VERIFIED}.tmp"
-    tmp.write_text(json.dumps(verified))
-    os.replace(tmp, dest / VERIFIED)
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def validate(store: Store, step: int, objects: dict[str, int], cache: Path) -> str | None:
