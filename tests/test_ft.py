@@ -134,12 +134,13 @@ def stop_after_recovery(p: subprocess.Popen, run_dir: Path, more: int = 10, time
     return out, err, int(stops[0])
 
 
-def same_weights(run_dir: Path, step: int) -> None:
+def same_weights(run_dir: Path, step: int, groups: int = 2) -> None:
     import torch
 
-    a, b = (torch.load(run_dir / f"replica_{g}" / "checkpoints" / f"step_{step}" / "model.pt", weights_only=True)
-            for g in (0, 1))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"the groups' weights differ at step {step}"
+    a, *others = (torch.load(run_dir / f"replica_{g}" / "checkpoints" / f"step_{step}" / "model.pt", weights_only=True)
+                  for g in range(groups))
+    for b in others:
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"the groups' weights differ at step {step}"
 
 
 def check_survived_and_recovered(run_dir: Path, out: str, err: str, step: int) -> None:
@@ -252,3 +253,151 @@ def _is_worker(entry: Path, token: bytes, script: bytes) -> bool:
     except OSError:
         return False
     return token in env and len(cmd) > 1 and cmd[1].endswith(script)
+
+
+def launch_script(script: str, *args: str, flags: tuple[str, ...] = (), groups: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ddp_kit.launch", "ft", "--groups", str(groups), "--script", script, *flags, "--", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=proc_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def starts(run_dir: Path, group: int) -> list[dict]:
+    path = run_dir / f"replica_{group}" / "attempts.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [a for a in map(json.loads, lines) if a["event"] == "start"]
+
+
+def alive(launcher: subprocess.Popen, group: int, start: int) -> bool:
+    token = f"DDP_KIT_FT_GROUP_TOKEN={launcher.pid}-{group}-{start}".encode()
+    return any(e.name.isdigit() and _is_worker(e, token, b"ft_loop.py") for e in Path("/proc").iterdir())
+
+
+def test_a_restarted_group_waits_for_a_running_group_that_is_busy(tmp_path):
+    """Group 0 stops asking for quorums (an eval, a synchronous checkpoint) while group 1 is restarted:
+    group 1's first quorum waits for it, longer than the ~11 s it once waited before exiting 1."""
+    run_dir = tmp_path / "run"
+    p = launch_script("tests/helpers/ft_loop.py", str(run_dir), "100000", flags=("--max_restarts", "1"))
+    try:
+        wait_step(run_dir, 1, 10, p)
+        (run_dir / "busy").write_text("")
+        end = time.monotonic() + 30
+        while not (run_dir / "busy_since").exists() and time.monotonic() < end:
+            time.sleep(0.1)
+        assert (run_dir / "busy_since").exists(), "group 0 never got busy"
+        token = f"DDP_KIT_FT_GROUP_TOKEN={p.pid}-1-0".encode()
+        victims = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _is_worker(e, token, b"ft_loop.py")]
+        assert victims, "no worker of group 1 found"
+        os.kill(victims[0], signal.SIGKILL)
+        end = time.monotonic() + 60
+        while len(starts(run_dir, 1)) < 2 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert len(starts(run_dir, 1)) == 2, "group 1 was not restarted"
+        end = time.monotonic() + 25  # the restarted group asks for its first quorum while group 0 is still busy
+        while time.monotonic() < end:
+            ended = [a for a in map(json.loads, (run_dir / "replica_1" / "attempts.jsonl").read_text().splitlines())
+                     if a["event"] == "end"]
+            assert alive(p, 1, 1) and not ended, f"the restarted group 1 gave up while group 0 was busy: {ended}"
+            time.sleep(0.5)
+    except BaseException:
+        kill_marked(p)
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        print((out + err)[-6000:])
+        raise
+    finally:
+        (run_dir / "busy").unlink(missing_ok=True)  # group 0 goes on
+    out, err, _ = stop_after_recovery(p, run_dir, more=5)
+    assert (out + err).count("replica group 1 failed") == 1, (out + err)[-5000:]
+    assert "replica group 1 recovered live from group 0" in out + err, (out + err)[-5000:]
+
+
+def marked(launcher: subprocess.Popen, what: str) -> list[int]:
+    token = f"DDP_KIT_FT_GROUP_TOKEN={launcher.pid}-{what}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and token in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def train_steps(run_dir: Path, group: int) -> list[int]:
+    return [r["step"] for r in events(run_dir, group, "train")]
+
+
+def test_a_lost_lighthouse_is_brought_back_and_the_groups_go_on(tmp_path):
+    """SIGKILL the lighthouse under 3 groups: the launcher starts it again on the same port, and the groups
+    go on (a new lighthouse numbers its quorums from 1 again: the groups' ids must not collide)."""
+    run_dir = tmp_path / "run"
+    p = launch_script("tests/helpers/ft_loop.py", str(run_dir), "100000", groups=3)
+    try:
+        for g in range(3):
+            wait_step(run_dir, g, 20, p)
+        house = marked(p, "lighthouse")
+        assert len(house) == 1, house
+        os.kill(house[0], signal.SIGKILL)
+        killed_at = max(train_steps(run_dir, g)[-1] for g in range(3))
+        end = time.monotonic() + 60  # a step's quorum used to wait out its 60 s timeout, then every group failed
+        while time.monotonic() < end and p.poll() is None:
+            if all(train_steps(run_dir, g)[-1] >= killed_at + 20 for g in range(3)):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the groups did not go on after the lighthouse was lost (at step {killed_at}): "
+                        f"{[train_steps(run_dir, g)[-3:] for g in range(3)]}")
+        assert len(marked(p, "lighthouse")) == 1
+    except BaseException:
+        kill_marked(p)
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        print((out + err)[-6000:])
+        raise
+    os.kill(p.pid, signal.SIGTERM)
+    out, err = finish(p)
+    text = out + err
+    stops = re.findall(r"preempted by SIGTERM after step (\d+):", text)
+    assert p.returncode == 75 and len(stops) == 3 and len(set(stops)) == 1, text[-5000:]
+    assert "failed" not in text, text[-5000:]
+    said = [line for line in text.splitlines() if "lighthouse" in line and "exited" in line]
+    assert len(said) == 1 and "restarted it on the same port" in said[0], text[-5000:]
+    same_weights(run_dir, int(stops[0]), groups=3)
+    print(f"after the lighthouse was lost: {[events(run_dir, g, 'replica_pause') for g in range(3)]}")
+
+
+def test_a_group_back_after_the_job_was_finished_claims_no_result(tmp_path):
+    """Group 1 is killed halfway and comes back (as its script makes sure) only after group 0 finished
+    the job: it must not train the rest alone from its own checkpoint and report other weights as done."""
+    run_dir = tmp_path / "run"
+    p = launch_script("tests/helpers/ft_loop.py", str(run_dir), "60", "late", flags=("--restart_delay_s", "0"))
+    wait_step(run_dir, 1, 30, p)
+    token = f"DDP_KIT_FT_GROUP_TOKEN={p.pid}-1-0".encode()
+    victims = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _is_worker(e, token, b"ft_loop.py")]
+    assert victims, "no worker of group 1 found"
+    os.kill(victims[0], signal.SIGKILL)
+    out, err = finish(p, timeout=120)
+    text = out + err
+    assert p.returncode == 0, text[-5000:]
+    assert read_json(run_dir / "replica_0" / "summary.json")["steps"] == 60
+    assert len(starts(run_dir, 1)) == 2, text[-5000:]  # it did come back
+    claimed = run_dir / "replica_1" / "summary.json"
+    assert not claimed.exists(), f"group 1 claims a result: {read_json(claimed)}\n{text[-3000:]}"
+    assert "replica group 1 ends without a result: replica group 0 finished the job at step 60" in text, text[-5000:]
+    assert "the job was finished by replica group 0 at step 60" in text, text[-5000:]
+
+
+def test_with_three_groups_a_late_one_is_waited_for_not_left_out(tmp_path):
+    """Group 2 asks for two quorums 2.5 s after the others (a slower evaluation): the lighthouse's join
+    timeout (half the quorum timeout) waits for it; a 1 s one left it out, to take the whole state live."""
+    run_dir = tmp_path / "run"
+    p = launch_script("tests/helpers/ft_loop.py", str(run_dir), "30", "slow", groups=3)
+    out, err = finish(p, timeout=150)
+    text = out + err
+    assert p.returncode == 0, text[-5000:]
+    assert events(run_dir, 2, "recovery") == [], text[-3000:]
+    for g in (0, 1):
+        assert [e for e in events(run_dir, g, "quorum") if e["participants"] < e["was"]] == [], events(run_dir, g, "quorum")
+    digests = {read_json(run_dir / f"replica_{g}" / "summary.json")["param_sha256"] for g in range(3)}
+    assert len(digests) == 1
+    assert "join timeout 30000 ms" in text

@@ -149,6 +149,15 @@ class FakeManager:
     def errored(self):
         return None
 
+    def load_state_dict(self, state) -> None:
+        self.steps = state["step"]
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def shutdown(self, wait=True) -> None:
+        self.calls.append("shutdown")
+
 
 def replica(manager: FakeManager, groups: int = 2) -> ft.Replica:
     return ft.Replica(manager=manager, group=0, groups=groups, group_size=1)
@@ -298,6 +307,97 @@ def test_a_scheduler_made_after_the_gate_steps_too():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
 
 
+def test_a_discarded_step_does_not_move_a_gated_schedule_and_an_epochs_end_does():
+    model, opt = model_and_optimizer(lr=1.0)
+    r = replica(FakeManager(commits=[True, False, True, False]))
+    r.gate(opt)
+    per_step = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    r.gate_schedule(per_step)
+    for _ in range(4):
+        r.begin_step()
+        backward(model)
+        opt.step()
+        per_step.step()
+        r.end_step()
+    assert (r.discarded, per_step.last_epoch) == (2, 2)  # the schedule counts committed steps only
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 / 3)
+    assert type(per_step).__name__ == "LambdaLR" and "step" not in per_step.state_dict()  # a checkpoint as before
+    r.epoch_ended()  # the loader ran out after the discarded step: a per-epoch schedule still steps
+    per_step.step()
+    assert per_step.last_epoch == 3
+
+
+def _ft_run(tmp_path, commits, manager=None):
+    """A one-process Run whose model is a replica group member with a scripted quorum (FakeManager)."""
+    import ddp_kit
+    from ddp_kit.reliability import replica_steps
+
+    run = ddp_kit.init(run_dir=str(tmp_path), env=DistEnv(), device="cpu", resume="never", log_every=0,
+                       sync_check_every=0, ckpt_every=0, ckpt_every_s=0)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    data = TensorDataset(torch.randn(64, 3), torch.randn(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, loader, opt = run.prepare(model, torch.utils.data.DataLoader(data, batch_size=4), opt)
+    r = replica(manager or FakeManager(commits=commits, participants=[2]))
+    replica_steps.attach(run._boundary, r)
+    return run, model, loader, opt, r
+
+
+def test_a_discarded_ft_step_leaves_the_registered_schedule_where_the_steps_done_are(tmp_path):
+    commits = [True, False, True, False, False, True]
+    run, model, loader, opt, r = _ft_run(tmp_path, commits)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    run.resume(scheduler=schedule)
+    batches = iter(loader)
+    for _ in commits:  # the reference job's order: optimizer, scheduler, then the boundary
+        x, y = next(batches)
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        run.step()
+    assert (run.steps_done, r.discarded) == (3, 3)
+    assert schedule.last_epoch == run.steps_done
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 / 4)
+    run.save()
+    saved = torch.load(tmp_path / "checkpoints" / "step_3" / "train_state.pt", weights_only=False)
+    assert saved["scheduler"]["last_epoch"] == 3
+    run.close()
+
+
+def test_a_group_behind_after_a_split_commit_decision_is_healed_and_says_why(tmp_path, capsys):
+    """should_commit is each group's own vote: this group discards step 2, which the other group
+    commits; the next quorum they share heals this one from the other (torchft), and it is said."""
+    runs: list = []
+
+    class Split(FakeManager):
+        def start_quorum(self, timeout=None):
+            super().start_quorum(timeout)
+            if self.calls.count("start_quorum") == 4:  # join, steps 1 and 2, then step 3's quorum
+                b = runs[0]._boundary
+                self.steps = 2
+                b.replica._load_state_dict({"ddp_kit": {"objects": b.state.state_dict(), "done": 2}, "group": 1})
+
+    run, model, loader, opt, r = _ft_run(tmp_path, [True, False, True],
+                                         manager=Split(commits=[True, False, True], participants=[2]))
+    runs.append(run)
+    run.resume()
+    batches = iter(loader)
+    for _ in range(3):
+        x, y = next(batches)
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        run.step()
+    out = capsys.readouterr().out
+    assert "replica group 0 recovered live from group 1 at step 2" in out, out
+    assert "it discarded or missed a step the others committed" in out, out
+    assert run.steps_done == 3 and r.discarded == 1
+    assert run._boundary.replica_seen["check_next"]  # and the groups compare weights at the next stop check
+    run.close()
+
+
 def test_live_state_goes_through_the_boundarys_functions():
     taken = []
     r = replica(FakeManager())
@@ -320,12 +420,59 @@ def test_a_manager_server_that_does_not_answer_names_the_group():
     assert "\n" not in str(err.value) and "Connection refused" in str(err.value)
 
 
+def test_a_lost_lighthouse_is_named_as_such_not_as_the_groups_manager_server(monkeypatch):
+    class Lost(FakeManager):
+        def start_quorum(self, timeout=None):
+            raise RuntimeError("status: Internal, message: \"lighthouse quorum failed after 60 retries.\"")
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    with pytest.raises(RuntimeError, match="cannot reach torchft's lighthouse \\(http://127.0.0.1:29510\\)"):
+        ft.Replica(manager=Lost(), group=1, groups=2, group_size=1).begin_step()
+
+
+def test_a_quorum_timeout_names_the_timeout_it_had():
+    class Slow(FakeManager):
+        def start_quorum(self, timeout=None):
+            raise TimeoutError("status: Cancelled, message: \"Timeout expired\"")
+
+    with pytest.raises(RuntimeError, match=r"got no quorum in time \(600s\)"):
+        ft.Replica(manager=Slow(), group=1, groups=2, group_size=1).begin_step(timeout_s=600)
+
+
 def test_the_comm_hook_leaves_a_lost_groups_all_reduce_to_the_commit_decision():
     buf = torch.tensor([1.0, 2.0])
     bucket = SimpleNamespace(buffer=lambda: buf)
     hook = ft._comm_hook(replica(FakeManager(allreduce_ok=False)), group=None)
     fut = hook(None, bucket)
     assert fut.done() and fut.value() is buf
+
+
+class FakeClient:
+    """torchft's ManagerClient, scripted: each _quorum returns the next (lighthouse id, members, step)."""
+
+    def __init__(self, quorums):
+        self.quorums = list(quorums)
+
+    def _quorum(self, **_):
+        quorum_id, members, step = self.quorums.pop(0)
+        return SimpleNamespace(quorum_id=quorum_id, replica_ids=list(members), max_step=step, heal=False)
+
+    def should_commit(self, *args, **kwargs):
+        return True
+
+
+def test_quorum_ids_stay_unique_across_a_restarted_lighthouse():
+    """A restarted lighthouse numbers its quorums from 1 again: the ids a group acts on (its process group
+    is reconfigured when they change, under a store prefix they name) must not repeat an earlier one."""
+    ab, abc = ("group0:x", "group1:y"), ("group0:x", "group1:y", "group2:z")
+    client = ft._EraQuorums(FakeClient([(1, abc, 0), (1, abc, 1), (2, ab, 5), (2, ab, 6),  # the first lighthouse
+                                        (1, ab, 7), (1, ab, 8), (2, abc, 9)]))  # a new one, from 1 again
+    ids = [client._quorum().quorum_id for _ in range(7)]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[4] == ids[5]  # unchanged quorum: no reconfiguration
+    assert len({ids[0], ids[2], ids[4], ids[6]}) == 4  # the new lighthouse's 1 and 2 are not the old ones
+    assert client.should_commit() is True and client._quorum.__self__ is client  # the rest is torchft's own
+    # A group that joins in the new lighthouse's quorum 2 has another history, and the same id
+    assert ft._EraQuorums(FakeClient([(2, abc, 9)]))._quorum().quorum_id == ids[6]
 
 
 def test_timeouts_read_from_the_environment():
@@ -493,14 +640,18 @@ class Launches:
 
 @pytest.fixture
 def fast(monkeypatch):
+    """supervise on a clock of its own: each sleep moves it on, and no real time passes."""
     ended = []
     slept = [0]
+    clock = [0.0]
 
-    def sleep(_s):
+    def sleep(s):
         slept[0] += 1
+        clock[0] += s
         assert slept[0] < 10_000, "supervise never ended"
     monkeypatch.setattr(launch_ft, "_end_group", ended.append)  # no real processes to kill
     monkeypatch.setattr(launch_ft.time, "sleep", sleep)
+    monkeypatch.setattr(launch_ft.time, "monotonic", lambda: clock[0])
     return ended
 
 
@@ -521,7 +672,7 @@ def test_a_failing_group_is_restarted_up_to_the_limit_then_left_out(tmp_path, fa
 
 
 def test_a_group_that_recovers_after_a_restart_finishes_with_the_others(tmp_path, fast):
-    launches = Launches(tmp_path, {0: [(1, -9), (5, 0)], 1: [(10, 0)]})
+    launches = Launches(tmp_path, {0: [(1, -9), (5, 0)], 1: [(40, 0)]})
     assert supervise(launches, max_restarts=2) == 0
     assert launches.started == [(0, 0), (1, 0), (0, 1)]
 
@@ -555,6 +706,79 @@ def test_a_stop_mark_without_a_signal_to_the_launcher_is_75_not_a_restart(tmp_pa
 def test_ctrl_c_is_130(tmp_path, fast):
     launches = Launches(tmp_path, {0: [(1, 1)], 1: [(1, 1)]}, stop_marks={0: 0, 1: 0}, mark_text="130\n")
     assert supervise(launches, stopping=[signal.SIGINT]) == 130
+
+
+def test_no_group_is_restarted_once_another_finished_the_job_and_the_line_names_who_holds_it(tmp_path, fast, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "group1.json").write_text('{"group": 1, "step": 60, "param_sha256": "ab"}')
+    # group 0 fails, and group 1 finishes during its restart delay (10 polls); group 2 fails after that
+    launches = Launches(tmp_path, {0: [(3, 1)], 1: [(6, 0)], 2: [(20, 1)]})
+    for group in launches.members:
+        launches(group)
+    code = launch_ft.supervise(launches.members, launches, [], 3, 1.0, results=results)
+    assert code == 0 and launches.started == [(0, 0), (1, 0), (2, 0)]
+    err = capsys.readouterr().err
+    assert "replica group 0 is not restarted: the job was finished meanwhile" in err
+    assert "replica group 2 failed (exit 1) after the job was finished: not restarted; it holds no result" in err
+    assert ("the job was finished by replica group 1 at step 60: the result is in run_dir/replica_<g> of that group; "
+            "replica group 0, 2 holds no result") in err
+
+
+def test_the_join_timeout_is_half_the_groups_quorum_timeout_and_never_above_it():
+    assert launch_ft.join_timeout(None, {}) == 30_000
+    assert launch_ft.join_timeout(None, {"DDP_KIT_FT_QUORUM_TIMEOUT_S": "300"}) == 150_000
+    assert launch_ft.join_timeout(5000, {}) == 5000
+    with pytest.raises(UserError, match="not below the groups' quorum timeout") as err:
+        launch_ft.join_timeout(60_000, {})
+    one_line(err.value)
+    with pytest.raises(UserError, match="DDP_KIT_FT_QUORUM_TIMEOUT_S='soon'"):
+        launch_ft.join_timeout(None, {"DDP_KIT_FT_QUORUM_TIMEOUT_S": "soon"})
+    assert ft.Timeouts.from_environ({"DDP_KIT_FT_JOIN_TIMEOUT_S": "30"}).join_s == 30.0
+
+
+class FakeHouse(launch_ft.Lighthouse):
+    """The lighthouse, scripted: it exits (with -9) at the polls in `dies_at`; `fails` starts fail."""
+
+    def __init__(self, dies_at=(), fails: int = 0):
+        super().__init__([], {}, 1, "http://127.0.0.1:1", Path("/nonexistent"))
+        self.proc = FakeProc(0, 10**9, 0)
+        self.polls, self.dies_at, self.fails, self.started, self.ended = 0, set(dies_at), fails, 0, 0
+
+    def exited(self):
+        self.polls += 1
+        return -9 if self.polls in self.dies_at else None
+
+    def start(self):
+        self.started += 1
+        if self.fails:
+            self.fails -= 1
+            raise UserError("torchft's lighthouse did not listen on port 1 within 10s", "hint")
+
+    def end(self):
+        self.ended += 1
+
+
+def test_a_lighthouse_that_dies_is_started_again_and_the_groups_go_on(tmp_path, fast, capsys):
+    launches = Launches(tmp_path, {0: [(30, 0)], 1: [(30, 0)]})
+    house, stopped = FakeHouse(dies_at={3, 10}), []
+    for group in launches.members:
+        launches(group)
+    code = launch_ft.supervise(launches.members, launches, [], 2, 1.0, house=house, stop=lambda: stopped.append(1))
+    assert code == 0 and house.started == 2 and not stopped
+    said = [line for line in capsys.readouterr().err.splitlines() if "lighthouse" in line]
+    assert len(said) == 2 and all("exited (-9 (SIGKILL)): restarted it on the same port" in line for line in said), said
+
+
+def test_a_lighthouse_that_cannot_be_brought_back_stops_the_groups_with_one_line(tmp_path, fast, capsys):
+    launches = Launches(tmp_path, {0: [(30, 0)], 1: [(30, 0)]})
+    house, stopped = FakeHouse(dies_at={3}, fails=1), []
+    for group in launches.members:
+        launches(group)
+    launch_ft.supervise(launches.members, launches, [], 2, 1.0, house=house, stop=lambda: stopped.append(1))
+    assert stopped == [1] and house.ended == 1 and house.proc is None
+    said = [line for line in capsys.readouterr().err.splitlines() if "lighthouse" in line]
+    assert len(said) == 1 and "could not be started again" in said[0] and "stopping the replica groups" in said[0], said
 
 
 def test_the_report_draws_the_replica_groups_apart_from_what_the_script_logged():

@@ -9,9 +9,12 @@ and a restart for a group that fails while the others train on.
 Each group gets its own rendezvous port and DDP_KIT_REPLICA_GROUP, and every group the lighthouse's
 address (TORCHFT_LIGHTHOUSE): nothing to export by hand. A group that exits with an error is
 restarted (a fresh torchrun, DDP_KIT_GROUP_RESTARTS counting) up to --max_restarts times and then
-left out; the others go on. A stop signal (SIGTERM, SIGINT, SIGUSR2) goes to every group, which
-agree on one step, checkpoint it and exit 75 (130 for Ctrl-C): the launcher then exits the same, and
-the same command resumes. The groups' workers run under the same rank shim as the Kubernetes
+left out; the others go on. The lighthouse is watched too: a lighthouse that dies is started again on
+the same port (up to --max_restarts times), else the groups are stopped. Once a group has finished the
+job, no group is restarted, and the last line names the groups that hold the result (each group that
+finishes records it in the results folder, DDP_KIT_FT_RESULTS). A stop signal (SIGTERM, SIGINT,
+SIGUSR2) goes to every group, which agree on one step, checkpoint it and exit 75 (130 for Ctrl-C): the
+launcher then exits the same, and the same command resumes. The groups' workers run under the same rank shim as the Kubernetes
 templates (templates/k8s/rank.sh): torchrun reports any failed worker as exit 1, the shim's mark
 says a worker stopped on a signal.
 
@@ -22,6 +25,7 @@ group with it and the rest train on; the restart is a fresh step on the same nod
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -37,6 +41,8 @@ from pathlib import Path
 from ..errors import UserError
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+RESULTS = "DDP_KIT_FT_RESULTS"  # the results folder, read by each group (parallel/ft.py, replica_steps.claim)
+JOIN = "DDP_KIT_FT_JOIN_TIMEOUT_S"  # the lighthouse's join timeout, named to a group that was left out of a quorum
 # Marks the processes of one start of one group: torchrun puts its workers in sessions of their own, so
 # a killed torchrun's workers are found by this mark, not by process group.
 TOKEN = "DDP_KIT_FT_GROUP_TOKEN"
@@ -64,11 +70,41 @@ def lighthouse_binary() -> str:
     return found
 
 
-def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: int = 1000) -> list[str]:
+def quorum_timeout_s(environ: Mapping[str, str] = os.environ) -> float:
+    """The groups' quorum timeout (DDP_KIT_FT_QUORUM_TIMEOUT_S, 60 s: parallel/ft.py's Timeouts.quorum_s)."""
+    raw = environ.get("DDP_KIT_FT_QUORUM_TIMEOUT_S", "").strip()
+    try:
+        return float(raw) if raw else 60.0
+    except ValueError:
+        raise UserError(f"DDP_KIT_FT_QUORUM_TIMEOUT_S={raw!r} is not a number of seconds",
+                        "set it to e.g. 120, or unset it (60)") from None
+
+
+def join_timeout(join_timeout_ms: int | None, environ: Mapping[str, str] = os.environ) -> int:
+    """The lighthouse's join timeout: how long a quorum that a majority of the groups asked for waits for
+    a group that is alive (heartbeats) but has not asked yet. It matters with 3 or more groups (with 2,
+    no quorum forms without both while both live), when one group is late, by a checkpoint write slower
+    than the others', an evaluation, a long step: a group left out then takes the whole state live at the
+    next quorum, or, near the end, misses the job's end. So by default it is as long as it can be: half
+    the groups' quorum timeout (30 of 60 s), so that the groups waiting for a late one do not time out
+    first. (ddp_kit's own checkpoints are followed by a stop check across the groups, which waits for
+    the slowest writer up to DDP_KIT_FT_TIMEOUT_S.) Groups later than that: raise
+    DDP_KIT_FT_QUORUM_TIMEOUT_S (the join timeout follows)."""
+    quorum_ms = quorum_timeout_s(environ) * 1000
+    if join_timeout_ms is None:
+        return int(quorum_ms / 2)
+    if join_timeout_ms >= quorum_ms:
+        raise UserError(f"--join_timeout_ms {join_timeout_ms} is not below the groups' quorum timeout ({quorum_ms:.0f} ms, "
+                        f"DDP_KIT_FT_QUORUM_TIMEOUT_S): groups waiting for a late one would time out first",
+                        f"pass --join_timeout_ms below {quorum_ms:.0f}, or raise DDP_KIT_FT_QUORUM_TIMEOUT_S")
+    return join_timeout_ms
+
+
+def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: int) -> list[str]:
     """torchft's lighthouse for one job. min_replicas 1: a quorum forms with whatever groups are alive
     (a fresh start waits for all of them in ddp_kit itself, reliability/replica_steps.join). The
-    heartbeat timeout is how long the survivors pause when a group dies without a word; join_timeout
-    how long a quorum waits for a group that heartbeats but has not asked yet."""
+    heartbeat timeout is how long the survivors pause when a group dies without a word; the join
+    timeout how long a quorum waits for a group that heartbeats but has not asked yet (join_timeout)."""
     return [lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}",
             "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--join_timeout_ms", str(join_timeout_ms),
             "--quorum_tick_ms", "20"]
@@ -92,6 +128,53 @@ def wait_listening(port: int, proc: subprocess.Popen, log: Path | None = None, t
 
 
 @dataclass
+class Lighthouse:
+    """torchft's lighthouse for this job, watched by the launcher (supervise): when it dies, it is started
+    again on the same port, and the groups' manager servers reconnect to it (their quorum requests retry,
+    parallel/ft.py) and go on; at most `max_restarts` times, then the groups are stopped."""
+
+    command: list[str]
+    env: dict[str, str]
+    port: int
+    address: str
+    log: Path  # its stderr (a pipe nobody reads would fill and stall it): its tail is shown when it fails to start
+    restarts: int = 0
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True, preexec_fn=_die_with_parent,
+                                         stdout=subprocess.DEVNULL, stderr=log)
+        wait_listening(self.port, self.proc, self.log)
+
+    def exited(self) -> int | None:
+        """Its exit code once it has exited; None while it runs."""
+        return None if self.proc is None else self.proc.poll()
+
+    def end(self) -> None:
+        _end_session(self.proc)
+
+
+def revive(house: Lighthouse, rc: int, max_restarts: int) -> bool:
+    """The lighthouse exited: start it again (True), or say why not (False: the groups are to stop)."""
+    lost = f"torchft's lighthouse at {house.address} exited ({_exit_name(rc)})"
+    stop = ("stopping the replica groups (each checkpoints at its next agreed step and exits 75); rerun the same "
+            "command to resume")
+    if house.restarts >= max_restarts:
+        say(f"{lost} after {house.restarts} restart(s) (--max_restarts {max_restarts}): {stop}")
+        return False
+    house.restarts += 1
+    try:
+        house.start()
+    except UserError as err:
+        say(f"{lost} and could not be started again: {err.message}; {stop}")
+        return False
+    say(f"{lost}: restarted it on the same port ({house.restarts} of {max_restarts}); the replica groups reconnect "
+        f"and go on")
+    return True
+
+
+@dataclass
 class Group:
     """One replica group: its torchrun, its restarts, how it ended."""
 
@@ -101,6 +184,8 @@ class Group:
     code: int | None = None  # how it ended for good (None: running, or to be restarted)
     mark: Path = field(default=Path())
     token: str = ""  # in the environment of every process of this group's current start (see _end_group)
+    rc: int | None = None  # how its last start exited
+    restart_at: float | None = None  # failed: when its restart is due
 
 
 def group_command(target: list[str], nproc: int, port: int, node: int | None = None) -> list[str]:
@@ -134,13 +219,14 @@ def resolve_groups(groups: int | None, srun: bool, environ: Mapping[str, str] = 
 
 def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max_restarts: int = 3,
        script: str | None = None, lighthouse_port: int = 0, heartbeat_timeout_ms: int = 500,
-       restart_delay_s: float = 1.0, srun: bool = False, join_timeout_ms: int = 1000) -> None:
+       restart_delay_s: float = 1.0, srun: bool = False, join_timeout_ms: int | None = None) -> None:
     """Start the lighthouse and `groups` replica groups of `nproc_per_node` ranks; restart a failed group.
     srun: one group per node of this SLURM allocation, each an srun step (the module docstring says why)."""
     groups = resolve_groups(groups, srun)
     if groups < 1 or nproc_per_node < 1:
         raise UserError(f"--groups {groups} --nproc_per_node {nproc_per_node}: both must be at least 1",
                         "e.g. --groups 2 --nproc_per_node 1")
+    join_ms = join_timeout(join_timeout_ms)
     args = [str(a) for a in train_args]
     if script is None and "--strategy" not in args:
         args = ["--strategy", "ft", *args]  # the reference job: its default strategy is ddp
@@ -152,19 +238,18 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
     stopping: list[int] = []
     # A group's rank shim writes its mark on the group's node: under srun, in the job's (shared) folder.
     marks = Path(tempfile.mkdtemp(prefix="ddp_kit_ft_", dir=_shared_tmp() if srun else None))
-    # The lighthouse's log goes to a file (a pipe nobody reads would fill and stall it): its tail is
-    # shown when it fails to start.
-    house_log = open(marks / "lighthouse.log", "wb")
-    house = subprocess.Popen(lighthouse_command(port, heartbeat_timeout_ms, join_timeout_ms),
-                             env={**base, TOKEN: f"{os.getpid()}-lighthouse"}, start_new_session=True,
-                             preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL, stderr=house_log)
+    house = Lighthouse(lighthouse_command(port, heartbeat_timeout_ms, join_ms),
+                       {**base, TOKEN: f"{os.getpid()}-lighthouse"}, port, lighthouse, marks / "lighthouse.log")
     members = [Group(g, mark=marks / f"group{g}.stopped") for g in range(groups)]
+    # Where a group that finishes the job records it, and a group that comes back reads it.
+    results = marks / "results"
+    results.mkdir()
 
     def start(group: Group) -> None:
         group.token = f"{os.getpid()}-{group.index}-{group.restarts}"
         env = {**base, TOKEN: group.token, "DDP_KIT_REPLICA_GROUP": str(group.index), "DDP_KIT_REPLICA_GROUPS": str(groups),
                "TORCHFT_LIGHTHOUSE": lighthouse, "DDP_KIT_GROUP_RESTARTS": str(group.restarts),
-               "DDP_KIT_PREEMPT_MARK": str(group.mark)}
+               "DDP_KIT_PREEMPT_MARK": str(group.mark), RESULTS: str(results), JOIN: f"{join_ms / 1000:g}"}
         command = group_command(target, nproc_per_node, free_port(), node=group.index if srun else None)
         group.proc = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         if stopping:  # a stop signal came while this group was (re)starting: it stops too
@@ -178,37 +263,49 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
 
     previous = {s: signal.signal(s, forward) for s in STOPS}
     try:
-        wait_listening(port, house, marks / "lighthouse.log")
-        say(f"lighthouse at {lighthouse} (heartbeat timeout {heartbeat_timeout_ms} ms); {groups} replica "
+        house.start()
+        say(f"lighthouse at {lighthouse} (heartbeat timeout {heartbeat_timeout_ms} ms, join timeout {join_ms} ms); {groups} replica "
             f"group(s) of {nproc_per_node} rank(s){', one per node (srun)' if srun else ''}")
         for group in members:
             start(group)
-        code = supervise(members, start, stopping, max_restarts, restart_delay_s)
+        code = supervise(members, start, stopping, max_restarts, restart_delay_s, house=house,
+                         stop=lambda: forward(signal.SIGTERM, None), results=results)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         for group in members:
             _end_group(group)
-        _end_session(house)
-        house_log.close()
+        house.end()
         shutil.rmtree(marks, ignore_errors=True)
     raise SystemExit(code)
 
 
 def supervise(members: list[Group], start, stopping: list[int], max_restarts: int, delay_s: float,
-              finish_grace_s: float = 60.0) -> int:
-    """Wait for every group to end; restart one that fails while no stop was asked for. The exit code:
-    0 when every group finished, 75/130 when they stopped on a signal, else the first failure's.
+              finish_grace_s: float = 60.0, house: Lighthouse | None = None, stop=None,
+              results: Path | None = None) -> int:
+    """Wait for every group to end; restart one that fails while no stop was asked for, and the lighthouse
+    when it dies (`stop()` the groups when it cannot be brought back). The exit code: 0 when every group
+    finished, 75/130 when they stopped on a signal, else the first failure's.
 
-    Once a group has finished the job, the others have `finish_grace_s` to finish too (one in step
-    with it ends within a step); a group still running then is one that came back too late to have a
-    peer to recover from, and would only train alone from its own checkpoint: it is stopped (SIGTERM:
-    it saves and exits 75), and that is not a failure of the job."""
+    Once a group has finished the job (exit 0), no group is restarted: it would have no peer to take
+    the final weights from. A group that fails then, or is due for a restart, is left out without
+    failing the job (it holds no result, and says so). A group still running `finish_grace_s` after the
+    finish is one that came back too late and did not see it (each group checks the results folder,
+    reliability/replica_steps.py): it is stopped (SIGTERM: it saves and exits 75), no failure either.
+    At the end one line names the groups that hold the job's result (those that recorded it in
+    `results`)."""
     finished_at: float | None = None
     late: set[int] = set()
     while any(g.code is None for g in members):
         time.sleep(0.1)
-        if finished_at is not None and time.monotonic() > finished_at + finish_grace_s:
+        now = time.monotonic()
+        if house is not None and house.proc is not None and (rc := house.exited()) is not None:
+            if not revive(house, rc, max_restarts):
+                house.end()
+                house.proc = None  # watched no more
+                if stop is not None and not stopping:
+                    stop()
+        if finished_at is not None and now > finished_at + finish_grace_s:
             for group in members:
                 if group.code is None and group.index not in late and group.proc is not None and group.proc.poll() is None:
                     late.add(group.index)
@@ -216,19 +313,36 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
                         f"finished the job: stopping it")
                     os.kill(group.proc.pid, signal.SIGTERM)
         for group in members:
-            if group.code is not None or group.proc is None or group.proc.poll() is None:
+            if group.code is not None:
                 continue
-            rc = group.proc.returncode
+            if group.restart_at is not None:  # failed, its restart due after the delay
+                if stopping:  # stopped while it waited: nothing left to save
+                    group.code, group.restart_at = group.rc, None
+                elif finished_at is not None:
+                    say(f"replica group {group.index} is not restarted: the job was finished meanwhile, and it "
+                        f"would have no peer to take the final weights from; it holds no result")
+                    group.code, group.restart_at = 0, None
+                elif now >= group.restart_at:
+                    group.restart_at = None
+                    start(group)
+                continue
+            if group.proc is None or group.proc.poll() is None:
+                continue
+            rc = group.rc = group.proc.returncode
             _end_group(group)  # its workers, should torchrun itself have died first
             stopped = _mark_code(group.mark)
-            # After a group has finished the job, one that fails has no peer left to recover from.
             if group.index in late:
                 group.code = 0  # the job was done without it
                 continue
-            if rc == 0 or stopped or stopping or finished_at is not None:
+            if rc == 0 or stopped or stopping:
                 group.code = stopped or rc
                 if rc == 0 and finished_at is None:
-                    finished_at = time.monotonic()
+                    finished_at = now
+                continue
+            if finished_at is not None:
+                say(f"replica group {group.index} failed (exit {_exit_name(rc)}) after the job was finished: not "
+                    f"restarted; it holds no result")
+                group.code = 0
                 continue
             if group.restarts >= max_restarts:
                 group.code = rc
@@ -238,11 +352,9 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
             group.restarts += 1
             say(f"replica group {group.index} failed (exit {_exit_name(rc)}); restarting it "
                 f"({group.restarts} of {max_restarts}); it recovers live from a running group")
-            time.sleep(delay_s)
-            if stopping:  # stopped while it waited to restart: nothing left to save
-                group.code = rc
-                continue
-            start(group)
+            group.restart_at = now + delay_s
+    if finished_at is not None and results is not None:
+        say(result_line(results, [g.index for g in members]))
     codes = [g.code for g in members]
     if all(c == 0 for c in codes):
         return 0
@@ -251,6 +363,26 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
         return stops[0]
     failed = next(c for c in codes if c not in (0, 75, 130))
     return 128 - failed if failed < 0 else failed  # killed by a signal: the shell's 128 + N
+
+
+def result_line(results: Path, groups: list[int]) -> str:
+    """Which groups hold the job's result: those that recorded it when they finished (replica_steps.claim)."""
+    held: dict[int, int] = {}
+    for path in results.glob("group*.json"):
+        try:
+            record = json.loads(path.read_text())
+            held[int(record["group"])] = int(record["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not held:
+        return "the job was finished (no group recorded a result)"
+    names = ", ".join(str(g) for g in sorted(held))
+    line = (f"the job was finished by replica group {names} at step {max(held.values())}: the result is in "
+            f"run_dir/replica_<g> of {'that group' if len(held) == 1 else 'each of them'}")
+    without = [g for g in groups if g not in held]
+    if without:
+        line += f"; replica group {', '.join(map(str, without))} holds no result"
+    return line
 
 
 def _shared_tmp() -> Path:

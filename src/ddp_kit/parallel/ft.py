@@ -12,8 +12,17 @@ One step of a replica, driven by the step boundary (reliability/replica_steps.py
     the loader's fetch     `begin_step`: a quorum (synchronous, so a recovering group is healed
                            before it draws its batch, and its step counts with the others')
     backward               DDP's comm hook: all-reduce in the group, then across groups (torchft)
-    optimizer.step()       gated: runs only if every rank of every group in the quorum succeeded
-                           (`should_commit`); otherwise the step is discarded on every rank of the group
+    optimizer.step()       gated: runs only if every rank of this group got through the step without
+                           an error, its cross-group all-reduce included (`should_commit`); otherwise
+                           the step is discarded on every rank of the group; the LR schedulers follow
+
+`should_commit` is a vote among the ranks of one group (its manager server counts them), not across
+the groups: each group decides for itself. Groups can decide differently (a cross-group all-reduce
+that failed in one group and not in another), and are then one step apart. That does not last
+unseen: the next quorum they share compares their step counts and heals the one behind live from
+one ahead (torchft's max_step rule), which replica_steps reports as a recovery and follows with a
+weights check; and at the end of the job a group claims the result only with the weights of the
+group that finished first (replica_steps.claim).
 
 DDP's buckets are never rebuilt (find_unused_parameters), as torchft requires: a group that
 restarts must lay its gradients out as the running ones do. Tested with torchft-nightly
@@ -22,6 +31,7 @@ a lost replica.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import types
@@ -29,6 +39,7 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +52,7 @@ from .ddp import unwrap_ddp
 from .strategy import Strategy
 
 INSTALL = "pip install 'ddp_kit[ft]' (torchft-nightly==2026.10.26)"
+RESULTS = "DDP_KIT_FT_RESULTS"  # the launch's results folder (launch/ft.py names it too)
 # torchft's Rust side logs every quorum and commit at INFO on stderr: several lines per step.
 QUIET_RUST = ("RUST_LOG", "warn")
 
@@ -52,12 +64,22 @@ class Timeouts:
     collective_s: float = 10.0  # a cross-group all-reduce, should_commit, the live recovery's transfer
     quorum_s: float = 60.0  # one quorum: longer than a step, or groups split into two quorums
     connect_s: float = 10.0  # the lighthouse and the group's manager server
+    join_s: float | None = None  # the lighthouse's join timeout, where the launcher states it (launch/ft.py)
+
+    @property
+    def quorum_retries(self) -> int:
+        """How often the group's manager server asks the lighthouse again within one quorum timeout when
+        the request fails (torchft's manager.rs: it waits timeout / (retries + 1), connects anew, asks
+        again): about once a second, so that a lighthouse the launcher restarted (launch/ft.py) is found
+        again while the quorum is still waited for."""
+        return max(1, round(self.quorum_s))
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Timeouts:
         read = lambda key, default: float(environ.get(key, "") or default)
+        join = environ.get("DDP_KIT_FT_JOIN_TIMEOUT_S", "")
         return cls(read("DDP_KIT_FT_TIMEOUT_S", cls.collective_s), read("DDP_KIT_FT_QUORUM_TIMEOUT_S", cls.quorum_s),
-                   read("DDP_KIT_FT_CONNECT_TIMEOUT_S", cls.connect_s))
+                   read("DDP_KIT_FT_CONNECT_TIMEOUT_S", cls.connect_s), float(join) if join else None)
 
 
 @dataclass
@@ -80,6 +102,10 @@ class Replica:
     recoveries: list[dict] = field(default_factory=list)  # live recoveries of this group: step, seconds, source
     events: list[dict] = field(default_factory=list)  # for metrics.jsonl, taken by the boundary
     gated: list[Any] = field(default_factory=list)  # the optimizers whose step waits for the commit decision
+    schedules: list[Any] = field(default_factory=list)  # the LR schedulers whose step follows that decision
+    # The last optimizer step was discarded, and neither a new step nor an epoch has begun since: a
+    # scheduler.step() now belongs to the discarded step (see gate_schedule).
+    discarding: bool = False
     # The boundary's live state (the registered objects and counters) for a recovering peer, and
     # how to take one in: set by reliability/replica_steps.py.
     state_fn: Callable[[], dict] | None = None
@@ -87,6 +113,10 @@ class Replica:
     # Called when a gated optimizer step is discarded: torch's step hooks, which drive a loop that
     # never calls run.step(), do not run then, and the step must still end at the boundary.
     on_discard: Callable[[], None] | None = None
+    # Where the groups of one launch record that they finished the job (launch/ft.py sets RESULTS);
+    # None for groups launched by hand.
+    results: Path | None = None
+    join_timeout_s: float | None = None  # the lighthouse's (launch/ft.py), named when a group was left out
     _healing_since: float | None = None
 
     # ---- the quorum -------------------------------------------------------------------------------
@@ -95,11 +125,12 @@ class Replica:
         """Form this step's quorum (once per step). A group that is behind is healed in here."""
         if self.in_step:
             return
-        self.in_step, self.decision = True, None
+        self.in_step, self.decision, self.discarding = True, None, False
         started = time.monotonic()
         self._healing_since = started
-        with _manager_calls(self.group):
-            self.manager.start_quorum(timeout=None if timeout_s is None else timedelta(seconds=max(timeout_s, 1.0)))
+        timeout_s = None if timeout_s is None else max(timeout_s, 1.0)
+        with _manager_calls(self.group, timeout_s):
+            self.manager.start_quorum(timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
         took = time.monotonic() - started
         self.quorum_s += took
         before, self.participants = self.participants, self.manager.num_participants()
@@ -108,13 +139,15 @@ class Replica:
                                 "quorum_s": round(took, 3)})
 
     def commit(self) -> bool:
-        """This step counts (every rank of every group in the quorum got through it): asked once per
-        step, whatever the number of optimizers."""
+        """This step counts in this group (every rank of it got through it, its share of the cross-group
+        all-reduce included): torchft's should_commit, a vote inside the group, asked once per step
+        whatever the number of optimizers. Another group may decide otherwise (module docstring)."""
         if self.decision is None:
             if not self.in_step:  # an optimizer step with no forward through the model: nothing to agree on
                 self.begin_step()
             with _manager_calls(self.group):
                 self.decision = bool(self.manager.should_commit())
+            self.discarding = not self.decision
             if not self.decision:
                 self.discarded += 1
         return self.decision
@@ -182,14 +215,40 @@ class Replica:
         optimizer.step = types.MethodType(step, optimizer)
         self.gated.append(optimizer)
 
+    def gate_schedule(self, scheduler: Any) -> None:
+        """scheduler.step() is skipped after a discarded optimizer step, so that the schedule counts the
+        steps that count (a per-step schedule stays at the step count, in checkpoints too). A step called
+        after the loader ran out (a per-epoch schedule) is not the discarded step's: it runs.
+
+        The instance's class becomes a subclass of its own, under the same name: an LR scheduler's
+        state_dict() is its __dict__, where a replaced `step` would be saved (and a checkpoint would no
+        longer load into a plain scheduler)."""
+        if any(s is scheduler for s in self.schedules):
+            return
+        cls = type(scheduler)
+        replica = self
+
+        def step(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            if replica.discarding:
+                return None
+            return cls.step(self_, *args, **kwargs)
+        scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__,
+                                                          "__qualname__": cls.__qualname__})
+        self.schedules.append(scheduler)
+
+    def epoch_ended(self) -> None:
+        """The loader ran out: what steps now (a per-epoch schedule) is not the last step's."""
+        self.discarding = False
+
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
 
 
 @contextmanager
-def _manager_calls(group: int):
+def _manager_calls(group: int, quorum_s: float | None = None):
     """torchft's calls to this group's manager server (hosted by the group's rank 0): when it is gone,
-    its group rank 0 died, and the failure policy should name that rank rather than print an RPC error."""
+    its group rank 0 died, and the failure policy should name that rank rather than print an RPC error.
+    quorum_s: the timeout of the quorum asked for here, when it is not the configured one."""
     try:
         yield
     except UserError:
@@ -197,9 +256,13 @@ def _manager_calls(group: int):
     except Exception as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         if "timeout" in first.lower() or "deadline" in first.lower():
-            raise RuntimeError(f"replica group {group} got no quorum in time (DDP_KIT_FT_QUORUM_TIMEOUT_S, "
-                               f"{Timeouts.from_environ(os.environ).quorum_s:g}s): the lighthouse or the other groups "
-                               f"did not answer; Timed out: {first}") from exc
+            what = (f"DDP_KIT_FT_QUORUM_TIMEOUT_S, {Timeouts.from_environ(os.environ).quorum_s:g}s" if quorum_s is None
+                    else f"{quorum_s:g}s")
+            raise RuntimeError(f"replica group {group} got no quorum in time ({what}): the lighthouse or the other "
+                               f"groups did not answer; Timed out: {first}") from exc
+        if "lighthouse" in first.lower():  # the manager server answered: its request to the lighthouse failed
+            raise RuntimeError(f"replica group {group} cannot reach torchft's lighthouse "
+                               f"({os.environ.get('TORCHFT_LIGHTHOUSE', '?')}): {first}") from exc
         raise RuntimeError(f"replica group {group}'s manager server on its rank 0 does not answer (remote process "
                            f"exited?): {first}") from exc
 
@@ -231,6 +294,47 @@ def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
+class _EraQuorums:
+    """torchft's ManagerClient for one group's manager, whose quorum ids stay unique when the lighthouse is
+    restarted (launch/ft.py brings a dead one back on the same port).
+
+    A new lighthouse numbers its quorums from 1 again. torchft's manager reconfigures the cross-group process
+    group only when the quorum id changes, and rendezvouses under a store prefix named by it: a reused id
+    either skips a reconfiguration the new members need, or meets the stale keys of an earlier one (gloo's
+    connect then times out; measured with 3 groups). So the id each group acts on is a digest of the
+    lighthouse's id, the members and the quorum's step count, taken anew whenever (id, members) changes,
+    and kept while it does not. Every member of a quorum computes the same one: either all of them were in
+    the previous quorum (same id and members), or the quorum changed for all of them. Without a restart it
+    changes exactly when the lighthouse's id does."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._seen: tuple[int, tuple[str, ...]] | None = None
+        self._id = -1
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(**kwargs)
+        seen = (int(quorum.quorum_id), tuple(sorted(quorum.replica_ids)))
+        if seen != self._seen:
+            self._seen = seen
+            digest = hashlib.sha256(repr((*seen, int(quorum.max_step))).encode()).digest()
+            self._id = int.from_bytes(digest[:8], "big") & ((1 << 62) - 1)
+        return _Renumbered(quorum, self._id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _Renumbered:
+    """A torchft QuorumResult with another quorum_id (_EraQuorums)."""
+
+    def __init__(self, quorum: Any, quorum_id: int):
+        self._quorum, self.quorum_id = quorum, quorum_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._quorum, name)
+
+
 def _manager(ctx: Any, timeouts: Timeouts, replica: Replica) -> Any:
     try:
         os.environ.setdefault(*QUIET_RUST)  # read once, when torchft's Rust side starts logging
@@ -249,18 +353,20 @@ def _manager(ctx: Any, timeouts: Timeouts, replica: Replica) -> Any:
     pg_timeout = timedelta(seconds=timeouts.collective_s)
     pg = ProcessGroupNCCL(timeout=pg_timeout) if ctx.device.type == "cuda" else ProcessGroupGloo(timeout=pg_timeout)
     try:
-        return Manager(pg=pg, min_replica_size=1, use_async_quorum=False,
-                       load_state_dict=replica._load_state_dict, state_dict=replica._state_dict,
-                       rank=ctx.rank, world_size=ctx.world_size,
-                       store_addr=env.master_addr, store_port=env.master_port,
-                       lighthouse_addr=env.lighthouse, replica_id=f"group{env.replica_group}",
-                       timeout=pg_timeout, quorum_timeout=timedelta(seconds=timeouts.quorum_s),
-                       connect_timeout=timedelta(seconds=timeouts.connect_s))
+        manager = Manager(pg=pg, min_replica_size=1, use_async_quorum=False,
+                          load_state_dict=replica._load_state_dict, state_dict=replica._state_dict,
+                          rank=ctx.rank, world_size=ctx.world_size,
+                          store_addr=env.master_addr, store_port=env.master_port,
+                          lighthouse_addr=env.lighthouse, replica_id=f"group{env.replica_group}",
+                          timeout=pg_timeout, quorum_timeout=timedelta(seconds=timeouts.quorum_s),
+                          connect_timeout=timedelta(seconds=timeouts.connect_s), quorum_retries=timeouts.quorum_retries)
     except Exception as exc:  # the lighthouse or the group's store cannot be reached: one line
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"replica group {env.replica_group} could not join the lighthouse at {env.lighthouse}: {first}",
                         "check that python -m ddp_kit.launch ft (or torchft_lighthouse) is running and reachable "
                         "from this node") from None
+    manager._client = _EraQuorums(manager._client)  # quorum ids that survive a restarted lighthouse
+    return manager
 
 
 @dataclass(frozen=True)
@@ -277,9 +383,11 @@ class FaultTolerant(Strategy):
                             "restarted group's gradients would be laid out differently", "drop static_graph")
 
     def wrap(self, model: nn.Module, ctx: Any, *, ddp: dict[str, Any] | None = None, **_: Any) -> nn.Module:
+        results, timeouts = os.environ.get(RESULTS, ""), Timeouts.from_environ(os.environ)
         replica = Replica(manager=None, group=ctx.env.replica_group, groups=ctx.env.replica_groups,
-                          group_size=ctx.world_size, device=ctx.device)
-        replica.manager = _manager(ctx, Timeouts.from_environ(os.environ), replica)
+                          group_size=ctx.world_size, device=ctx.device, results=Path(results) if results else None,
+                          join_timeout_s=timeouts.join_s)
+        replica.manager = _manager(ctx, timeouts, replica)
         model = model.to(ctx.device)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         options = {**(ddp or {}), "find_unused_parameters": True}  # buckets never rebuilt (module docstring)

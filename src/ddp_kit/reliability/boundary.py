@@ -193,6 +193,8 @@ class StepBoundary:
     def epoch_end(self) -> None:
         # The loop's own work between epochs (eval, a per-epoch scheduler) is a slow phase, not a hang.
         self.progress.enter("between epochs")
+        if self.replica is not None:
+            self.replica.epoch_ended()
 
     def fetched(self) -> None:
         self.timer.mark("data")
@@ -309,6 +311,7 @@ class StepBoundary:
         # Rank 0's word: a script may write its summary on rank 0 only, and the default one is collective.
         if self.rd is not None and not broadcast_object(self.ctx, self.records.summary_written if self.ctx.is_main else None):
             self.write_summary(self.records.default_summary(self))
+        replica_steps.claim(self)  # strategy ft without a summary (no run folder): the result is recorded all the same
 
     # ---- what the boundary schedules, each in its own module ------------------------------------------
 
@@ -348,6 +351,8 @@ class StepBoundary:
         self.records.write(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        if not replica_steps.claim(self):  # strategy ft: another group finished the job with other weights
+            return
         self.records.write_summary({**summary, **replica_steps.summary(self)})
 
     @property

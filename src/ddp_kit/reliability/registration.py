@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..data import TrainLoader
 from ..errors import UserError
 from ..parallel.ddp import unwrap
+from .recipe import is_scheduler
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
@@ -46,6 +47,10 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
         if b.replica is not None:  # strategy ft: the step runs only if the quorum commits it
             b.replica.gate(obj)
         base = "optimizer"
+    elif is_scheduler(obj):
+        if b.replica is not None:  # strategy ft: and the schedule follows the same decision
+            b.replica.gate_schedule(obj)
+        base = type(obj).__name__.lower()
     else:
         base = type(obj).__name__.lower()
     b.state.add(name or b.state.next_name(base), obj)

@@ -12,26 +12,35 @@
 - A fresh start (every group at step 0) waits, up to the startup timeout, until every group has
   joined, so that step 1 has every group, as an uninterrupted run and its resume both need.
 - A stop signal is agreed across the groups too, so that every group saves the same step.
+- A group that finishes the job records it (step and weights' digest) in the launch's results folder
+  (launch/ft.py). A group that finds the job finished by another while it was away (it comes back
+  alone, or its quorum shrinks to those left) ends without a result, and a group claims one (its
+  summary.json) only with the finished group's step and weights: no group trains the last steps
+  alone and reports weights that no other group has.
 - metrics.jsonl gains participants, steps discarded, quorum and pause time per record, and one
   event per quorum change, recovery and discarded step; summary.json the totals.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..collectives import broadcast_object
 from ..errors import UserError
 from .preemption import PRIORITY
-from .sync_checks import checksums
+from .recipe import is_scheduler
+from .sync_checks import checksums, param_sha256
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
 Replica = Any  # parallel.ft.Replica (not imported: torch's DDP and torchft stay out of the boundary's imports)
 
 WAIT_NOTE_S = 5.0  # a fresh start waiting this long for the other groups says so, once
-RESTART_WAIT_S = 10.0  # a restarted group's wait for a running one to share a quorum with
 
 
 def attach(b: Boundary, replica: Replica) -> None:
@@ -43,6 +52,9 @@ def attach(b: Boundary, replica: Replica) -> None:
     b.on_log.append(lambda record: record.update(_window(b)))
     for optimizer in b.optimizers:  # registered before the model was prepared
         replica.gate(optimizer)
+    for obj in b.state.objects.values():  # and the schedules over them
+        if is_scheduler(obj):
+            replica.gate_schedule(obj)
     b.replica_seen = {"last_commit_t": None, "usual_s": None, "check_next": False}
 
 
@@ -90,11 +102,14 @@ def join(b: Boundary) -> bool:
                         "registered", "pass the optimizer to run.prepare(model, loader, optimizer) or "
                         "run.resume(optimizer=optimizer)")
     started, said = time.monotonic(), False
-    # A fresh start waits for every group. A group its launcher restarted waits for one other (its
-    # first quorum may form before the running groups ask for their next one), briefly: the others
-    # may be done and gone, and then it goes on from its own checkpoint.
+    # A fresh start waits for every group, up to the startup timeout. A group its launcher restarted
+    # takes the first quorum the lighthouse gives it, and waits for it as long as the other groups
+    # live, up to the same timeout: the lighthouse holds its request while another group heartbeats
+    # without asking (busy in an evaluation, a synchronous checkpoint, a long step: it asks at its next
+    # batch, and then both are in), and answers at once with this group alone when no other group
+    # heartbeats (they finished, or died): a majority of the live groups is needed (lighthouse.rs).
     restarted = b.ctx.env.restart_count > 0
-    wanted, patience = (min(r.groups, 2), RESTART_WAIT_S) if restarted else (r.groups, b.ctx.timeout_s)
+    wanted, patience = (1 if restarted else r.groups), b.ctx.timeout_s
     while True:
         b.progress.enter("quorum", b.done)
         r.begin_step(timeout_s=patience - (time.monotonic() - started) + 1.0)
@@ -113,7 +128,18 @@ def join(b: Boundary) -> bool:
         time.sleep(0.2)
     r.recoveries.clear()  # step 0's weight sync between fresh groups is not a recovery
     r.events.clear()  # nor is the other groups' arrival
+    if r.participants < r.groups:  # the others may be gone because they finished the job
+        _unless_finished(b)
     return False
+
+
+def _behind(r: Replica) -> str:
+    """Why a running group was behind the quorum it just joined."""
+    why = "it discarded or missed a step the others committed: each group decides its own commits"
+    if r.groups >= 3 and r.join_timeout_s is not None:
+        why += (f", and a group later than the lighthouse's join timeout ({r.join_timeout_s:g}s) at a quorum is left "
+                f"out of it")
+    return why
 
 
 def _recovered(b: Boundary, rec: dict, how: str) -> None:
@@ -131,6 +157,7 @@ def resumed_from_disk(b: Boundary) -> None:
     step forms anew, in every group alike."""
     b.replica.set_step(b.done)
     b.replica.in_step = False
+    b.replica_seen["from_disk"] = True  # a recovery at the next quorum is from behind this checkpoint
 
 
 def begin(b: Boundary) -> None:
@@ -143,12 +170,16 @@ def begin(b: Boundary) -> None:
     b.progress.enter("quorum", b.done + 1)
     seen = len(r.recoveries)
     r.begin_step()
-    for rec in r.recoveries[seen:]:  # behind the others after its own checkpoint: healed at this quorum
+    from_disk = b.replica_seen.pop("from_disk", False)
+    for rec in r.recoveries[seen:]:  # behind the others: healed at this quorum
         if r.step() > 0:  # (at step 0: torchft's first weight sync between fresh groups, not a recovery)
-            _recovered(b, rec, "after its own checkpoint")
+            _recovered(b, rec, "after its own checkpoint" if from_disk else _behind(r))
+    shrank = any(e["participants"] < e["was"] for e in r.events)
     for event in r.events:
         b.write({**event, "step": b.done + 1})
     r.events.clear()
+    if shrank and r.participants < r.groups:  # a group that left may have finished the job
+        _unless_finished(b)
 
 
 def counted(b: Boundary) -> bool:
@@ -222,6 +253,66 @@ def _window(b: Boundary) -> dict[str, Any]:
            "paused_s": round(r.pause_s, 3), "recoveries": len(r.recoveries)}
     r.quorum_s = r.pause_s = 0.0
     return out
+
+
+# ---- the job's result: which groups hold it -------------------------------------------------------
+
+def _finished(folder: Path | None, but: int) -> dict | None:
+    """The record of a group other than `but` that finished the job (the lowest group's), or None."""
+    if folder is None:
+        return None
+    for path in sorted(folder.glob("group*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):  # being written (it is renamed into place), or not ours
+            continue
+        if record.get("group") != but:
+            return record
+    return None
+
+
+def _unless_finished(b: Boundary) -> None:
+    """End this group without a result if another group has finished the job (collective in the
+    group: its rank 0 reads, every rank acts alike)."""
+    r = b.replica
+    record = broadcast_object(b.ctx, _finished(r.results, r.group) if b.ctx.is_main else None)
+    if record is None:
+        return
+    b.say(f"ddp_kit: replica group {r.group} ends without a result: replica group {record['group']} finished the job "
+          f"at step {record['step']} while this group was away (it is at step {b.done}), and no group is left to take "
+          f"the final weights from; the result is group {record['group']}'s (its run folder's summary.json and last "
+          f"checkpoint)")
+    b.write({"event": "ended_without_result", "step": b.done, "finished_by": record["group"],
+             "finished_at": record["step"]})
+    b.stopped = True  # no final checkpoint, no summary: nothing here is the job's
+    b.exit_code = 0
+    raise SystemExit(0)
+
+
+def claim(b: Boundary) -> bool:
+    """Whether this group may report the job done (write summary.json), asked by rank 0, which
+    writes it: only with the step and weights of a group that finished before it. Then its own record
+    goes into the results folder for the groups after it. Once per process; True without a results
+    folder (groups launched by hand) or on the other ranks."""
+    r = b.replica
+    if r is None or r.results is None or not b.ctx.is_main:
+        return True
+    if "claim" in b.replica_seen:
+        return b.replica_seen["claim"]
+    digest = param_sha256(b.modules[0]) if b.modules else None
+    record = _finished(r.results, r.group)
+    ok = record is None or (record["step"] == b.done and record.get("param_sha256") == digest)
+    b.replica_seen["claim"] = ok
+    if not ok:
+        b.say(f"ddp_kit: replica group {r.group} ends without a result: replica group {record['group']} finished the "
+              f"job at step {record['step']}, and this group's weights at step {b.done} are not its; no summary.json "
+              f"here, the result is group {record['group']}'s")
+        return False
+    mine = {"group": r.group, "step": b.done, "param_sha256": digest}
+    tmp = r.results / f".group{r.group}.json.{os.getpid()}"
+    tmp.write_text(json.dumps(mine))
+    os.replace(tmp, r.results / f"group{r.group}.json")
+    return True
 
 
 def summary(b: Boundary) -> dict[str, Any]:
