@@ -76,9 +76,9 @@ def latest(server: S3Server, bucket: str) -> int | None:
 def committed_and_orphans(server: S3Server, bucket: str) -> tuple[list[int], list[str]]:
     """The committed steps (manifest present, every object it names there at its size), and every key
     under PREFIX that is neither `latest` nor named by a committed step's manifest (archive/ aside:
-    an abandoned lineage's steps, moved there on purpose)."""
+    an abandoned lineage's steps, moved there on purpose; the lease, which names the job, not a step)."""
     keys = {k: v for k, v in server.keys(bucket, PREFIX + "/").items()
-            if not k.startswith(f"{PREFIX}/{layout.ARCHIVE}/")}
+            if not k.startswith((f"{PREFIX}/{layout.ARCHIVE}/", f"{PREFIX}/{layout.LEASE_PREFIX}"))}
     steps = by_step(keys)
     good = sorted(s for s, files in manifests(server, bucket).items()
                   if all(steps[s].get(n) == f["size"] for n, f in files.items()))
@@ -270,7 +270,8 @@ def test_a_second_job_on_one_url_is_refused_then_takes_over_once_the_first_is_de
     assert f"taking over checkpoint location {url(bucket)} from process {a.pid} on this host" in again.stderr, (
         again.stdout[-3000:] + again.stderr[-3000:])
     assert read_json(tmp_path / "b" / "summary.json")["resumed_from_step"] == resumed_from
-    assert not [k for k in s3.keys(bucket, PREFIX + "/") if k.startswith(f"{PREFIX}/{layout.LEASE_PREFIX}")]  # released
+    leases = sorted(k for k in s3.keys(bucket, PREFIX + "/") if k.startswith(f"{PREFIX}/{layout.LEASE_PREFIX}"))
+    assert json.loads(read(s3, bucket, leases[-1])).get("released") is True, leases  # released at the end
 
 
 def test_a_manifest_in_the_bucket_naming_a_file_outside_the_step_writes_nothing_outside(s3, bucket, tmp_path):
