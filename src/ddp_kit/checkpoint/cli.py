@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 from ..errors import EXIT_USER_ERROR, UserError
-from ..reliability.run_dir import RunDir
 from . import layout, weights
 from .folder import list_checkpoints, read_meta, validate
 
@@ -39,7 +38,7 @@ def _run_dir(run_dir: str) -> Path:
 
 def _root(run_dir: str) -> Path:
     p = _run_dir(run_dir)
-    ckpts = RunDir(p).checkpoints
+    ckpts = p / layout.RUN_CHECKPOINTS
     return ckpts if ckpts.is_dir() else p
 
 

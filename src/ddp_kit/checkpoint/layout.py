@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 
+RUN_CHECKPOINTS = "checkpoints"  # run_dir/checkpoints: where a run keeps its steps without a ckpt_dir
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
 META = "meta.json"
