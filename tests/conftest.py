@@ -115,7 +115,8 @@ REFERENCE_3_EPOCHS = ("--epochs", "3", "--ckpt_every", "5", "--progress", "false
 def reference_summary(tmp_path_factory):
     """`reference_summary(nproc, args)`: summary.json of `python -m ddp_kit.train *args` on `nproc` ranks
     (torchrun above 1), run once per test session and shared by every xdist worker of it: the first
-    to ask runs it under a file lock, the others wait for it and read its summary."""
+    to ask runs it under a file lock, the others wait for it and read its summary.
+    `reference_summary.folder(nproc, args)`: that run's folder (its metrics.jsonl)."""
     import fcntl
     import hashlib
     import shutil
@@ -126,7 +127,7 @@ def reference_summary(tmp_path_factory):
     root = root / "shared_references"
     root.mkdir(exist_ok=True)
 
-    def get(nproc: int, args=REFERENCE_2_EPOCHS) -> dict:
+    def folder(nproc: int, args=REFERENCE_2_EPOCHS) -> Path:
         key = hashlib.sha256(repr((nproc, tuple(args))).encode()).hexdigest()[:12]
         run_dir = root / f"w{nproc}_{key}"
         with open(root / f"w{nproc}_{key}.lock", "w") as lock:
@@ -135,6 +136,10 @@ def reference_summary(tmp_path_factory):
                 shutil.rmtree(run_dir, ignore_errors=True)  # a failed earlier attempt leaves no stale state
                 cmd = ["-m", "ddp_kit.train", *args, "--run_dir", str(run_dir)]
                 ok(run_cmd([sys.executable, *cmd], timeout=240) if nproc == 1 else torchrun(cmd, nproc=nproc, timeout=240))
-        return read_json(run_dir / "summary.json")
+        return run_dir
 
+    def get(nproc: int, args=REFERENCE_2_EPOCHS) -> dict:
+        return read_json(folder(nproc, args) / "summary.json")
+
+    get.folder = folder  # the run folder itself (its metrics.jsonl: what an uninterrupted run logs)
     return get

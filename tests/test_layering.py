@@ -15,7 +15,7 @@ TRAIN = PKG / "train"
 # What a user's own script may import from: the package faces, plus the API module and the errors.
 FACES = {"ddp_kit", "ddp_kit.env", "ddp_kit.dist", "ddp_kit.data", "ddp_kit.parallel", "ddp_kit.checkpoint",
          "ddp_kit.reliability", "ddp_kit.doctor", "ddp_kit.errors", "ddp_kit.models", "ddp_kit.datasets",
-         "ddp_kit.losses", "ddp_kit.api"}
+         "ddp_kit.losses", "ddp_kit.api", "ddp_kit.trackers"}
 # `python -m ddp_kit` is the reference job's command under a shorter name: a command, not the library.
 RUNS_THE_JOB = {PKG / "__main__.py"}
 

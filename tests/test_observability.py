@@ -1,4 +1,4 @@
-"""Per-rank metrics, the straggler warning (a rank slowed by a test hook), report.png/csv, no tensorboard."""
+"""Per-rank metrics, the straggler warning (a rank slowed by a test hook), report.png/csv, no trackers unasked."""
 import json
 import statistics
 import sys
@@ -59,12 +59,8 @@ def test_slowed_rank_is_named_and_stands_out_in_report(tmp_path, capsys):
 
 
 @pytest.mark.integration
-def test_run_without_tensorboard_is_quiet(tmp_path):
-    try:
-        import tensorboard  # noqa: F401
-        pytest.skip("tensorboard is installed here")
-    except ImportError:
-        pass
+def test_run_without_trackers_is_quiet(tmp_path):
+    # tensorboard installed or not: event files are written only when asked for (trackers=["tensorboard"])
     res = ok(run_cmd([sys.executable, "-m", "ddp_kit.train", "--epochs", "1", "--progress", "false",
                       "--run_dir", str(tmp_path)]))
     out = (res.stdout + res.stderr).replace(str(tmp_path), "RUN_DIR").lower()

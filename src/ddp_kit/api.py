@@ -301,7 +301,7 @@ class Run:
         return self._boundary.log()
 
     def log_event(self, record: dict) -> None:
-        """Append `record` to run_dir/metrics.jsonl (rank 0 writes; a no-op elsewhere)."""
+        """Append `record` to run_dir/metrics.jsonl and send it to the trackers (rank 0; a no-op elsewhere)."""
         self._boundary.write(record)
 
     def write_summary(self, summary: dict) -> None:
@@ -461,7 +461,9 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     checkpoints. `options` are reliability.policy.Policy's fields: resume, ckpt_dir (checkpoints in another
     folder or at a URL, s3://bucket/prefix), ckpt_upload_timeout_s, max_failed_attempts, ckpt_every, ckpt_every_s, keep_last,
     async_ckpt, hang_timeout_s, peer_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
-    sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin. `timeout_s` bounds the rendezvous and
+    sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin, trackers (["tensorboard", "mlflow",
+    "wandb"]: every metrics.jsonl record also goes there, one tracker run across every attempt; README
+    "Experiment trackers"). `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
     goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the
     same one at startup (a rank with a different one is named). `tf32`, `cudnn_benchmark` and

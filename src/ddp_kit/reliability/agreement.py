@@ -11,6 +11,7 @@ from ..collectives import barrier, set_collective_timeout
 from ..errors import UserError
 from .recipe import config_hash
 from .sync_checks import check_agreement, shapes_digest
+from .tracking import open_trackers
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
@@ -67,3 +68,4 @@ def first_step_over(b: Boundary) -> None:
     set_collective_timeout(b.ctx, b.policy.collective_timeout_s)
     b.progress.warm = True
     b.flag.started()  # from here a stop signal is agreed on and checkpointed
+    open_trackers(b, start=b.done - 1)  # a script that never called run.resume: it started at this step

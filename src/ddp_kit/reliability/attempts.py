@@ -21,6 +21,7 @@ from typing import Any
 
 from ..collectives import rank0_verdict
 from ..errors import EXIT_USER_ERROR, UserError
+from .tracking import close_trackers
 
 FILE = "attempts.jsonl"
 OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
@@ -56,7 +57,8 @@ def begin(b: Boundary) -> None:
 
 
 def end(b: Boundary, code: int) -> None:
-    """Record how this attempt ended (rank 0); never raises."""
+    """Record how this attempt ended (rank 0), in attempts.jsonl and to the trackers; never raises."""
+    close_trackers(b, code)  # bounded, and a tracker's failure is its own warning (trackers/hub.py)
     if b.rd is None or not b.ctx.is_main or not b.attempt_started:
         return  # an attempt refused at startup leaves no end: the failures before it stay in a row
     try:

@@ -1,4 +1,6 @@
-"""What a run leaves in run_dir: config.yaml, metrics.jsonl, summary.json. Written by rank 0 only."""
+"""What a run leaves in run_dir: config.yaml, metrics.jsonl, summary.json. Written by rank 0 only.
+(TensorBoard's event files, once written here when tensorboard was installed, are a tracker now:
+trackers/tensorboard.py, with `trackers=["tensorboard"]`.)"""
 from __future__ import annotations
 
 import json
@@ -21,12 +23,10 @@ class RunWriter:
         self.run_dir = rd.path
         self.is_main = is_main
         self._metrics = None
-        self._tb = None
         if is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # Line-buffered append: a killed run keeps every line written so far, and a resumed run continues the file.
             self._metrics = open(rd.metrics, "a", buffering=1)
-            self._tb = _tensorboard(self.run_dir / "tb")
 
     def supersede(self, after_step: int | None, archive: Path) -> None:
         """Move records that no longer describe this run out of metrics.jsonl (and summary.json),
@@ -59,14 +59,6 @@ class RunWriter:
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics:
             self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-        if self._tb is not None:
-            step, event = record.get("step", 0), record.get("event", "train")
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
-                    self._tb.add_scalar(f"{event}/{key}", value, step)
-            for r in record.get("ranks", []):
-                self._tb.add_scalar(f"ranks/local_ms/rank{r['rank']}", r["local_s"] * 1e3, step)
-                self._tb.add_scalar(f"ranks/peak_mem_mb/rank{r['rank']}", r["peak_mem_mb"], step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.is_main:
@@ -76,9 +68,6 @@ class RunWriter:
         if self._metrics:
             self._metrics.close()
             self._metrics = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
 
 
 def _step_of(line: str) -> int:
@@ -87,12 +76,3 @@ def _step_of(line: str) -> int:
     except (ValueError, AttributeError):
         return 0
 
-
-def _tensorboard(log_dir: Path):
-    """A SummaryWriter when the optional tensorboard package is installed; otherwise None, silently."""
-    try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(log_dir=str(log_dir))

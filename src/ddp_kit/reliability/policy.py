@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.backend import scheme_of
 from ..errors import UserError
+from ..trackers import check_installed, parse, tracker_class
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,18 @@ class Policy:
     rank_metrics: bool = True  # each record holds every rank's time split; stragglers are named
     rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
     straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
+    # experiment trackers rank 0 logs each metrics.jsonl record to, one tracker run across every attempt:
+    # names from trackers.TRACKERS (tensorboard, mlflow, wandb), a list or one comma-separated string
+    trackers: tuple[str, ...] = ()
     ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "trackers", parse(self.trackers))
+        check_installed(self.trackers)
+        for name in self.trackers:
+            if tracker_class(name).needs_run_dir and self.run_dir is None:
+                raise UserError(f"tracker {name} writes into the run folder, and this run has none",
+                                'pass run_dir to ddp_kit.init(run_dir="runs/my_run", ...)')
         if self.run_dir is not None and scheme_of(str(self.run_dir)):
             raise UserError(f"run_dir {str(self.run_dir)!r} is a URL; run_dir is a local folder (metrics.jsonl, "
                             f"summary.json, hang reports), and checkpoints go to a URL through ckpt_dir",

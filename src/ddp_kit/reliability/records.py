@@ -1,6 +1,6 @@
 """The run's metrics record: the loss window between log events, one metrics.jsonl record per log
-event (loss, lr, samples/s, every rank's time split, stragglers named), and summary.json: the
-script's own, or a default one at close."""
+event (loss, lr, samples/s, every rank's time split, stragglers named) that the experiment trackers
+get too, and summary.json: the script's own, or a default one at close."""
 from __future__ import annotations
 
 import time
@@ -18,6 +18,7 @@ from .outputs import RunWriter
 from .policy import Policy
 from .recipe import config_hash
 from .sync_checks import param_sha256
+from .tracking import hub_for
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
@@ -33,6 +34,7 @@ class MetricsRecords:
         self.stragglers = StragglerWatch(policy.straggler_margin)
         self.on_log: list[Callable[[dict], None]] = []
         self.writer: RunWriter | None = None  # set once the run folder is open (lifecycle)
+        self.trackers = hub_for(ctx, policy.trackers)  # every record goes to them too (tracking.py opens them)
         self.summary_written = False  # the script (or the reference job) wrote summary.json itself
         self.last_eval: dict[str, Any] = {}  # the last record logged with event "eval" (run.log_event)
         self.last_train: dict[str, Any] = {}
@@ -92,6 +94,7 @@ class MetricsRecords:
             self.last_train = record
         if self.writer is not None:
             self.writer.log(record)
+        self.trackers.log(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.summary_written = True
@@ -120,3 +123,4 @@ class MetricsRecords:
 
     def clear(self) -> None:
         self.on_log.clear()
+        self.trackers.close(1)  # a no-op after attempts.end closed them with the attempt's exit code

@@ -14,6 +14,7 @@ from ..parallel.strategy import UNRECORDED
 from . import replica_steps
 from .checkpoint_io import archive_lineage
 from .recipe import hyperparameters, is_scheduler, overridden, refuse_changed
+from .tracking import META_KEY, open_trackers
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
@@ -30,8 +31,7 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
     # A replica group that restarts while others train (strategy ft) takes their state live instead.
     live = b.replica is not None and replica_steps.join(b)
     found = None if live else ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
-    if found is not None:
-        _restore(b, ckpt, found, check)
+    meta = _restore(b, ckpt, found, check) if found is not None else {}
     if b.replica is not None and not live:
         replica_steps.resumed_from_disk(b)
     if b.ctx.is_main and b.rd is not None and not live:  # a live recovery continues the run's own lineage
@@ -40,10 +40,12 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
               f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
+    open_trackers(b, start=b.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
     return b.done
 
 
-def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> None:
+def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> dict:
+    """Load `found` into every registered object; returns its meta."""
     shared, own, meta = ckpt.load(found)
     if check is None and b.config is not None:  # a script's own config: the reference job's rules
         config = b.config
@@ -86,3 +88,4 @@ def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | N
           + ("; " + "; ".join(extra) if extra else ""))
     for note in notes:
         b.say(f"ddp_kit: warning: {note}")
+    return meta

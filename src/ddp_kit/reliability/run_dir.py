@@ -1,6 +1,7 @@
 """The run folder: its layout, and the checks that make it safe to use before any work starts.
 
     run_dir/config.yaml, metrics.jsonl, summary.json   rank 0
+    run_dir/trackers.json, tb/, wandb/                rank 0: the experiment trackers' run ids (reliability/tracking.py)
     run_dir/checkpoints/                              the folder checkpoint backend (names: checkpoint/layout.py),
                                                       unless ckpt_dir puts checkpoints elsewhere (a URL)
     run_dir/hang/                                     stacks and traces of a hang or crash
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint.layout import RUN_CHECKPOINTS
 from ..errors import UserError
 
 LOCK_WAIT_SAME_JOB_S = 30.0
@@ -42,7 +44,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / RUN_CHECKPOINTS
 
     @property
     def checkpoint_location(self) -> str | Path:
@@ -64,6 +66,10 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.path / "config.yaml"
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / "trackers.json"
 
     @property
     def archive(self) -> Path:

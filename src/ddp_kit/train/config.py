@@ -20,6 +20,8 @@ import yaml
 from ..errors import UserError
 from ..parallel import STRATEGY_NAMES, find_strategy
 from ..reliability import NOT_RECIPE, config_hash
+from ..trackers import check_installed
+from ..trackers import parse as parse_trackers
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
@@ -86,6 +88,7 @@ class TrainConfig:
     rank_metrics: bool = _f(True, "Gather every rank's step-time split, samples/s and peak memory into metrics.jsonl at each log event.")
     rank_records_max: int = _f(64, "Up to this world size each metrics record keeps every rank's entry; above it, the median, max and argmax rank per field.")
     straggler_margin: float = _f(0.2, "Warn when a rank's own work per step exceeds the median rank's by this fraction for 2 log windows (0: off).")
+    trackers: str = _f("", "Experiment trackers rank 0 logs every metrics.jsonl record to, comma-separated: tensorboard (run_dir/tb), mlflow, wandb (pip install 'ddp_kit[NAME]'); settings from their own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, WANDB_MODE, ...). Every attempt of the run continues one tracker run. See README 'Experiment trackers'.")
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/train/inject.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
@@ -264,6 +267,7 @@ def _validate(cfg: TrainConfig) -> None:
     for key in ("ckpt_every", "keep_last", "sync_check_every"):
         if getattr(cfg, key) < 0:
             raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
+    check_installed(parse_trackers(cfg.trackers))
     if cfg.inject:
         from .inject import parse
 
