@@ -143,3 +143,15 @@ def reference_summary(tmp_path_factory):
 
     get.folder = folder  # the run folder itself (its metrics.jsonl: what an uninterrupted run logs)
     return get
+
+
+def kill_marked(launcher: subprocess.Popen) -> None:
+    """SIGKILL every process this launcher started (its token in their environment): torchrun puts
+    its workers in sessions of their own, out of reach of a killpg."""
+    prefix = f"DDP_KIT_FT_GROUP_TOKEN={launcher.pid}-".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(v.startswith(prefix) for v in (entry / "environ").read_bytes().split(b"\0")):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            continue

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, proc_env, read_json, run_cmd
+from conftest import ROOT, kill_marked, proc_env, read_json, run_cmd
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,16 +41,12 @@ def finish(p: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
         pytest.fail(f"timed out after {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
 
 
-def kill_marked(launcher: subprocess.Popen) -> None:
-    """SIGKILL every process this launcher started (its token in their environment): torchrun puts
-    its workers in sessions of their own, out of reach of a killpg."""
-    prefix = f"DDP_KIT_FT_GROUP_TOKEN={launcher.pid}-".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and any(v.startswith(prefix) for v in (entry / "environ").read_bytes().split(b"\0")):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:
-            continue
+def abandon(p: subprocess.Popen) -> None:
+    """A failed test's launch: every process of it killed, and what it printed shown."""
+    kill_marked(p)
+    os.killpg(p.pid, signal.SIGKILL)
+    out, err = p.communicate()
+    print((out + err)[-6000:])
 
 
 def records(run_dir: Path, group: int) -> list[dict]:
@@ -299,10 +295,7 @@ def test_a_restarted_group_waits_for_a_running_group_that_is_busy(tmp_path):
             assert alive(p, 1, 1) and not ended, f"the restarted group 1 gave up while group 0 was busy: {ended}"
             time.sleep(0.5)
     except BaseException:
-        kill_marked(p)
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        print((out + err)[-6000:])
+        abandon(p)
         raise
     finally:
         (run_dir / "busy").unlink(missing_ok=True)  # group 0 goes on
@@ -349,10 +342,7 @@ def test_a_lost_lighthouse_is_brought_back_and_the_groups_go_on(tmp_path):
                         f"{[train_steps(run_dir, g)[-3:] for g in range(3)]}")
         assert len(marked(p, "lighthouse")) == 1
     except BaseException:
-        kill_marked(p)
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        print((out + err)[-6000:])
+        abandon(p)
         raise
     os.kill(p.pid, signal.SIGTERM)
     out, err = finish(p)

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from conftest import REFERENCE_2_EPOCHS, ROOT, ok, proc_env, read_json, run_cmd, torchrun
+from conftest import REFERENCE_2_EPOCHS, ROOT, kill_marked, ok, proc_env, read_json, run_cmd, torchrun
 from tracker_stores import Proxy, free_port, mlflow_server, tb_scalars, wandb_runs
 
 pytestmark = pytest.mark.integration  # every test here starts real processes
@@ -210,18 +210,6 @@ def ft_workers(launcher: subprocess.Popen, group: int) -> list[int]:
     return found
 
 
-def kill_ft_job(launcher: subprocess.Popen) -> None:
-    prefix = f"DDP_KIT_FT_GROUP_TOKEN={launcher.pid}-".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and any(v.startswith(prefix) for v in (entry / "environ").read_bytes().split(b"\0")):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:
-            continue
-    if launcher.poll() is None:
-        os.killpg(launcher.pid, signal.SIGKILL)
-
-
 @pytest.mark.slow
 def test_under_ft_the_logging_group_lost_and_recovered_live_continues_its_tracker_runs(tmp_path, mlflow):
     pytest.importorskip("torchft")
@@ -251,7 +239,8 @@ def test_under_ft_the_logging_group_lost_and_recovered_live_continues_its_tracke
         out, err = p.communicate(timeout=150)
     finally:
         if p.poll() is None:
-            kill_ft_job(p)
+            kill_marked(p)
+            os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 75, (out + err)[-4000:]
     assert "replica group 0 recovered live from group 1" in out + err
 
