@@ -15,7 +15,6 @@ from ddp_kit.reach import wait_for_master
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_group_the_script_made_is_adopted_and_a_killed_run_resumes_bit_identical(tmp_path):
     """The script calls init_process_group itself, then ddp_kit.init(): checkpoints, the watchdog and
     the peer-loss diagnosis work on that group; after a SIGKILL of rank 1, running the command again

@@ -161,7 +161,6 @@ def _one_line(res, *needles):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_unsized_iterable_dataset_through_the_api_is_one_line():
     res = torchrun([str(HELPERS / "api_refuse.py"), "iterable"])
     _one_line(res, "Stream is an unsized IterableDataset", "get_worker_info()")
@@ -170,7 +169,6 @@ def test_unsized_iterable_dataset_through_the_api_is_one_line():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_refused_sampler_in_a_plain_process_is_one_line():
     res = run_cmd([sys.executable, str(HELPERS / "api_refuse.py"), "weighted"])
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
@@ -178,7 +176,6 @@ def test_refused_sampler_in_a_plain_process_is_one_line():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_prepare_option_given_to_init_is_one_line_for_the_job():
     """ddp_kit.init(strategy=...) as Fabric(strategy=...) would take it: one line from the whole job
     (it was once per rank), pointing to run.prepare."""

@@ -34,7 +34,6 @@ def test_failures_without_progress_are_counted_and_a_preemption_or_progress_brea
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_deterministic_crash_under_torchrun_restarts_is_stopped_after_three_attempts(tmp_path):
     """Rank 1 raises at step 3 of every attempt, before the first checkpoint: torchrun --max-restarts 3
     runs it three times, and the fourth attempt stops at startup with one line and exit 2."""

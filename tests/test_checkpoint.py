@@ -61,7 +61,6 @@ def crashed(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 4])  # 4: the ring all-reduce's sum order depends on DDP's bucket layout
 def test_kill_whole_job_then_rerun_is_bit_identical(tmp_path, reference, nproc):
     res = job(tmp_path, nproc, "--inject", "kill:rank=0:step=13", expect_ok=False)
@@ -75,7 +74,6 @@ def test_kill_whole_job_then_rerun_is_bit_identical(tmp_path, reference, nproc):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_kill_one_worker_torchrun_restarts_and_matches(tmp_path, reference):
     res = job(tmp_path, 2, "--inject", "kill:rank=1:step=13", restarts=1)
     summary = read_json(tmp_path / "summary.json")
@@ -84,7 +82,6 @@ def test_kill_one_worker_torchrun_restarts_and_matches(tmp_path, reference):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_corrupt_newest_falls_back(tmp_path, reference, crashed, damage):
     crashed(tmp_path, "--inject", "kill:rank=0:step=21")
@@ -102,7 +99,6 @@ def test_corrupt_newest_falls_back(tmp_path, reference, crashed, damage):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_kill_during_save_never_picks_partial(tmp_path, reference):
     """Saving is slowed so that a SIGKILL lands inside a save; the half-written folder is ignored."""
     cmd = [sys.executable, *train_args(tmp_path, "--debug_ckpt_delay_s", "1.5")]
@@ -128,7 +124,6 @@ def test_kill_during_save_never_picks_partial(tmp_path, reference):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_change_world_size(tmp_path, reference, before, after):
     job(tmp_path, before, "--inject", "kill:rank=0:step=16", expect_ok=False)
@@ -141,7 +136,6 @@ def test_change_world_size(tmp_path, reference, before, after):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_async_save_same_result_and_retention(tmp_path, reference):
     job(tmp_path, 2, "--async_ckpt", "true", "--keep_last", "2")
     summary = read_json(tmp_path / "summary.json")
@@ -152,7 +146,6 @@ def test_async_save_same_result_and_retention(tmp_path, reference):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_resume_never_and_explicit_path(tmp_path, reference):
     job(tmp_path, 1, "--inject", "kill:rank=0:step=11", expect_ok=False)
     res = job(tmp_path, 1, "--resume", str(tmp_path / "checkpoints" / "step_5"))
@@ -180,7 +173,6 @@ def constant_lr_reference(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("restart", ["never", "older"])
 def test_auto_resume_follows_latest_not_the_highest_step(tmp_path, constant_lr_reference, crashed, restart):
     """A run abandoned at step 20 (by --resume never, or by resuming from its step 5) must not be

@@ -160,7 +160,6 @@ def test_cli_bad_input_one_line_exit_2(args, needles, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_torchrun_batch_not_divisible_printed_once(tmp_path):
     res = torchrun(["-m", "ddp_kit.train", "--batch_size", "63", "--run_dir", str(tmp_path / "r")], nproc=2)
     assert res.returncode != 0

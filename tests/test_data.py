@@ -78,7 +78,6 @@ def test_per_rank_batch_refuses_uneven():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_shards_with_two_real_processes(tmp_path):
     ok(torchrun([str(HELPERS / "shards.py"), str(tmp_path), "101", "37", "10"]))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

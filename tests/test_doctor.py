@@ -231,7 +231,6 @@ def test_doctor_json_with_active_checks_is_pure_json_on_stdout():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_doctor_comm_under_torchrun():
     res = torchrun(["-m", "ddp_kit.doctor", "--comm", "--comm_max_mb", "1"], nproc=2)
     assert res.returncode in (0, 1), res.stderr[-2000:]

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT, proc_env, read_json
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 MAX_STEPS = 400
 # The first attempt trains slowly (150 ms a step on rank 0, a first-attempt-only fault), so that the

@@ -61,7 +61,6 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_forged_newest_checkpoint_runs_no_code(runs, tmp_path, strategy):
     run_dir = tmp_path / "run"

@@ -51,7 +51,6 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fsdp_loss_matches_ddp_and_each_rank_holds_half_the_state(runs):
     ddp, fsdp = records(runs / "ddp2"), records(runs / "fsdp2")
     assert [r["step"] for r in ddp] == [r["step"] for r in fsdp] and len(ddp) >= 8
@@ -66,7 +65,6 @@ def test_fsdp_loss_matches_ddp_and_each_rank_holds_half_the_state(runs):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fsdp_at_4_ranks_holds_a_quarter_and_matches_2_ranks(runs):
     four, two = records(runs / "fsdp4"), records(runs / "fsdp2")
     assert [r["step"] for r in four] == [r["step"] for r in two]
@@ -79,7 +77,6 @@ def test_fsdp_at_4_ranks_holds_a_quarter_and_matches_2_ranks(runs):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fsdp_sigkill_under_max_restarts_resumes_to_the_same_weights(tmp_path, runs):
     """Async sharded saves, rank 1 SIGKILLed at step 13: torchrun restarts both ranks, they resume
     from the latest committed DCP checkpoint and end with the uninterrupted run's weights, bit for bit."""
@@ -97,7 +94,6 @@ def test_fsdp_sigkill_under_max_restarts_resumes_to_the_same_weights(tmp_path, r
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fsdp_preemption_of_one_process_checkpoints_shards_that_2_ranks_resume(tmp_path, runs):
     """`python -m ddp_kit.train --strategy fsdp` (one process, a mesh of one) gets SIGTERM (by PID)
     mid-epoch: it finishes its step, writes a sharded (DCP) checkpoint and exits 75. 2 ranks resume
@@ -125,7 +121,6 @@ def test_fsdp_preemption_of_one_process_checkpoints_shards_that_2_ranks_resume(t
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fsdp_hang_is_diagnosed_by_the_watchdog(tmp_path):
     """Rank 1 stops at step 7; rank 0 waits in FSDP's next all-gather. The watchdog names rank 1 and
     where it was, and every process exits non-zero."""
@@ -138,7 +133,6 @@ def test_fsdp_hang_is_diagnosed_by_the_watchdog(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fsdp_with_torch_compile_follows_the_eager_loss(tmp_path, runs):
     """--compile true under FSDP (the model is compiled after fully_shard): the same losses as eager
     FSDP within 1e-5 relative, which a wrong wrap order or a graph break that skipped a collective
@@ -151,7 +145,6 @@ def test_fsdp_with_torch_compile_follows_the_eager_loss(tmp_path, runs):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_4_rank_checkpoint_resumes_on_2_ranks_past_a_damaged_shard(tmp_path, runs):
     """4 ranks die at step 17; step_15's rank-3 shard is then damaged: 2 ranks fall back to step_10,
     reshard its weights and optimizer state, keep the data position, and end as the 2-rank run does."""
@@ -170,7 +163,6 @@ def test_a_4_rank_checkpoint_resumes_on_2_ranks_past_a_damaged_shard(tmp_path, r
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_export_of_a_sharded_checkpoint_loads_into_a_plain_model(tmp_path, runs):
     """One process, no process group: the consolidated file is the 4-rank run's final weights."""
     out = tmp_path / "model.pt"
@@ -184,14 +176,12 @@ def test_export_of_a_sharded_checkpoint_loads_into_a_plain_model(tmp_path, runs)
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_sharded_checkpoint_is_not_resumed_as_ddp(tmp_path, runs):
     res = run_cmd([sys.executable, *BASE, "--run_dir", str(runs / "fsdp2"), "--epochs", "3"])
     assert res.returncode == 2 and "strategy fsdp -> ddp" in res.stderr, res.stderr
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_eval_loader_made_before_fsdp_prepare_is_refused(tmp_path):
     """Its batches were split for DDP (17 and 16 samples: 5 and 4 batches), which would leave rank 0
     waiting in an all-gather; the right order's even counts are test_even_eval_batches' subject."""
@@ -201,7 +191,6 @@ def test_eval_loader_made_before_fsdp_prepare_is_refused(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_sync_check_under_fsdp_compares_buffers_and_optimizer_step(tmp_path):
     ok(torchrun([str(HELPERS / "fsdp_sync.py"), str(tmp_path)], nproc=2))
     for rank in (0, 1):
@@ -293,7 +282,6 @@ def test_tied_weights_stay_in_one_unit():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_model_with_tied_weights_trains_under_fsdp_as_under_ddp(tmp_path):
     env = {"PYTHONPATH": str(HELPERS)}
     for strategy in ("ddp", "fsdp"):

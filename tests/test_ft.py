@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, kill_marked, proc_env, read_json, run_cmd
 
 pytest.importorskip("torchft")
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 SLOW = ["--inject", "slow:rank=0:step=1:ms=40"]  # a stable step time, so that a kill lands mid-run
 

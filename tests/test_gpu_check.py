@@ -35,7 +35,6 @@ def stand_in_venv(where: Path) -> Path:
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_the_device_command_rehearsed_without_fire_and_without_an_index(tmp_path):
     python = stand_in_venv(tmp_path / "venv")
     lacks = subprocess.run([str(python), "-c", "import fire"], capture_output=True, text=True, cwd=tmp_path)

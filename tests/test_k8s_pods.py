@@ -27,7 +27,7 @@ import pytest
 import netns
 from conftest import REFERENCE_2_EPOCHS, ROOT, proc_env, read_json
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
+pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not netns.AVAILABLE, reason="needs root, iproute2 and unshare")]
 JOB = "ddpk"
 K8S = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "PYTHONUNBUFFERED": "1"}

@@ -75,7 +75,6 @@ def test_worker_ignores_stop_signals_except_from_its_rank(parallel_before):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_sigterm_to_process_group_with_workers_still_checkpoints(tmp_path):
     """torchrun signals each rank's whole process group, loader workers included: the rank must still save."""
     run_dir = tmp_path / "run"
@@ -101,7 +100,6 @@ def _records(path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resumed_augmentation_is_bit_identical(tmp_path, workers):
     """Stop mid-epoch, save loader state + RNG, continue in a new process: the same batches and noise as one run."""

@@ -24,7 +24,6 @@ def local_and_save(tmp_path_factory):
     return ok(torchrun([str(HELPERS / "lone_rank.py"), "local+save", str(out)], timeout=120))
 
 
-@pytest.mark.slow
 def test_main_only_runs_a_ddp_forward_locally_and_refuses_torchs_own_collectives(local_and_save):
     res = local_and_save
     fwd = lines(res, "ddp forward: ")
@@ -38,7 +37,6 @@ def test_main_only_runs_a_ddp_forward_locally_and_refuses_torchs_own_collectives
     assert "rank 0: full_state_dict outside main_only has 4 entries" in res.stdout
 
 
-@pytest.mark.slow
 def test_exact_eval_with_an_empty_shard_through_the_wrapped_batchnorm_model():
     res = ok(torchrun([str(HELPERS / "lone_rank.py"), "empty"], nproc=3, timeout=120))
     # the three ranks print at once into one pipe: lines may run together
@@ -47,7 +45,6 @@ def test_exact_eval_with_an_empty_shard_through_the_wrapped_batchnorm_model():
     assert sum(int(n) for _, n, _ in got) == 2 and all(agree == "True" for _, _, agree in got), got
 
 
-@pytest.mark.slow
 def test_a_hang_inside_main_only_names_the_rank_in_it(tmp_path):
     res = torchrun([str(HELPERS / "lone_rank.py"), "stall", str(tmp_path)], timeout=120)
     assert res.returncode != 0
@@ -56,7 +53,6 @@ def test_a_hang_inside_main_only_names_the_rank_in_it(tmp_path):
     assert "rank 0 (" in report and "main_only, at lone_rank.py" in report, report
 
 
-@pytest.mark.slow
 def test_reported_eval_is_the_saved_models_under_ddp_with_batchnorm(tmp_path):
     """Each rank's BatchNorm statistics come from its own batches; what the ranks evaluate must be the
     final checkpoint's model, recomputed here in one process from model.pt."""
@@ -74,7 +70,6 @@ def test_reported_eval_is_the_saved_models_under_ddp_with_batchnorm(tmp_path):
     assert said == pytest.approx(expected, rel=1e-5, abs=1e-6), (said, expected)
 
 
-@pytest.mark.slow
 def test_a_test_split_smaller_than_the_world_evaluates(tmp_path):
     """2 test samples on 3 ranks: the rank with none contributes zero counts, between epochs too."""
     res = ok(torchrun(["-m", "ddp_kit.train", "--dataset", "tiny_split:data", "--epochs", "2", "--batch_size", "48", "--progress", "false",
@@ -84,7 +79,6 @@ def test_a_test_split_smaller_than_the_world_evaluates(tmp_path):
     assert "eval epoch 0" in res.stdout and "KeyError" not in res.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["resume", "step"])
 def test_an_optimizer_made_before_fsdp_prepare_is_refused_before_step_1(tmp_path, where):
     """Found at run.resume (or, without it, at the first step), not at the final checkpoint."""
@@ -95,7 +89,6 @@ def test_an_optimizer_made_before_fsdp_prepare_is_refused_before_step_1(tmp_path
     assert "step 1 done" not in res.stdout and "hint: create the optimizer after run.prepare" in said[0]
 
 
-@pytest.mark.slow
 def test_the_scripts_own_save_of_the_wrapped_model_is_warned_about_once(local_and_save):
     res = local_and_save
     warned = [ln for ln in res.stderr.splitlines() if "model.state_dict() of the DDP-wrapped model" in ln]

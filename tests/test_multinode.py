@@ -11,7 +11,7 @@ import pytest
 import netns
 from conftest import REFERENCE_3_EPOCHS, ROOT, proc_env, read_json
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
+pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not netns.AVAILABLE, reason="needs root, iproute2 and unshare")]
 ARGS = [*REFERENCE_3_EPOCHS, "--hang_timeout_s", "60"]  # epochs 3, as test_slurm's: one reference run for both
 

@@ -34,7 +34,6 @@ def test_step_timer_window():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_slowed_rank_is_named_and_stands_out_in_report(tmp_path, capsys):
     res = ok(torchrun(["-m", "ddp_kit.train", "--epochs", "3", "--log_every", "5", "--progress", "false",
                        "--run_dir", str(tmp_path), "--inject", "slow:rank=1:step=1:ms=15"], nproc=2))

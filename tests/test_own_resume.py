@@ -24,7 +24,6 @@ def resumed_line(res):
     return lines[0]
 
 
-@pytest.mark.slow
 def test_without_config_the_resume_line_names_the_restored_lr(tmp_path):
     ok(script(tmp_path, 0.01, False, 4))
     line = resumed_line(ok(script(tmp_path, 0.003, False, 6)))
@@ -34,7 +33,6 @@ def test_without_config_the_resume_line_names_the_restored_lr(tmp_path):
     assert "in the script" not in line, line
 
 
-@pytest.mark.slow
 def test_a_config_passed_to_init_is_held_to_the_reference_jobs_rules(tmp_path):
     ok(script(tmp_path, 0.01, True, 4))
     line = resumed_line(ok(script(tmp_path, 0.01, True, 6)))
@@ -46,7 +44,6 @@ def test_a_config_passed_to_init_is_held_to_the_reference_jobs_rules(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.slow
 def test_an_error_in_scheduler_step_names_the_phase_after_the_optimizer_step():
     res = run_cmd([sys.executable, str(HELPERS / "raise_in_scheduler.py")], timeout=120)
     said = [ln for ln in res.stderr.splitlines() if ln.startswith("ddp_kit: error:")]
@@ -54,7 +51,6 @@ def test_an_error_in_scheduler_step_names_the_phase_after_the_optimizer_step():
     assert "failed at step 2 in after step: RuntimeError: scheduler broke" in said[0], said
 
 
-@pytest.mark.slow
 def test_a_clean_end_writes_the_summary_and_the_last_record_and_a_finished_run_says_so(tmp_path):
     import json
 
@@ -69,7 +65,6 @@ def test_a_clean_end_writes_the_summary_and_the_last_record_and_a_finished_run_s
     assert len(said) == 1 and "resumed at step 7" in said[0] and "resume='never'" in said[0], again.stdout
 
 
-@pytest.mark.slow
 def test_an_indivisible_batch_is_refused_alone_before_the_skipped_samples_note():
     code = ("import torch, ddp_kit\n"
             "from torch.utils.data import DataLoader, TensorDataset\n"

@@ -70,7 +70,6 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_sigkill_with_max_restarts_resumes_bit_identical(tmp_path, name, reference):
     p = launch(tmp_path, name, "kill:rank=1:step=45", extra=("--max-restarts=1",))
@@ -81,7 +80,6 @@ def test_sigkill_with_max_restarts_resumes_bit_identical(tmp_path, name, referen
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, name, reference):
     latest = tmp_path / EXAMPLES[name][2] / "checkpoints" / "latest"
@@ -98,7 +96,6 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, n
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
     hang = 8
     p = launch(tmp_path, "function", f"stall:rank=1:step=10,init:hang_timeout_s={hang}")
@@ -110,7 +107,6 @@ def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_a_rank_that_raises_is_printed_once_and_every_rank_stops(tmp_path, name):
     p = launch(tmp_path, name, "raise:rank=1:step=10")
@@ -131,7 +127,6 @@ def test_without_a_launcher_the_example_runs_as_one_process(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["explicit", "implicit"])
 def test_a_checkpoint_never_falls_between_an_epochs_last_step_and_its_end_of_epoch_work(tmp_path, mode):
     """Checkpoints are due at each epoch's last step (ckpt_every = steps per epoch). The per-epoch

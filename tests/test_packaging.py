@@ -32,5 +32,5 @@ def test_the_checkout_links_point_at_the_packaged_templates():
 
 def test_the_version_is_kept_in_one_place():
     assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "ddp_kit.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "ddp_kit.version.__version__"}
     assert importlib.metadata.version("ddp_kit") == ddp_kit.__version__

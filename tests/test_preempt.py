@@ -28,7 +28,6 @@ def wait_step(run_dir, step, proc, timeout=60):
     pytest.fail(f"never reached step {step}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_sigterm_checkpoints_and_exits_75(tmp_path, launcher, reference_summary):
     # the uninterrupted job on as many ranks (its timed checkpoints do not change its weights)

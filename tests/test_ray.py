@@ -130,7 +130,6 @@ def uninterrupted(ray_cluster, tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @needs_ray
 def test_uninterrupted(uninterrupted):
     run_dir, res = uninterrupted
@@ -150,7 +149,6 @@ def test_uninterrupted(uninterrupted):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @needs_ray
 def test_killed_worker_is_restarted_and_resumes_bit_identically(ray_cluster, uninterrupted, tmp_path):
     reference, _ = uninterrupted
@@ -170,7 +168,6 @@ def test_killed_worker_is_restarted_and_resumes_bit_identically(ray_cluster, uni
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @needs_ray
 def test_run_dir_the_workers_do_not_share_is_refused(ray_cluster, tmp_path):
     run_dir = tmp_path / "local"

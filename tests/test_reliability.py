@@ -86,7 +86,6 @@ def group_alive(pgid: int) -> list[int]:
 # ---- issue 11 ----------------------------------------------------------------------------------------
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_batchnorm_model_passes_sync_checks(tmp_path, nproc):
     """Each rank keeps its own BatchNorm running statistics (DDP broadcasts rank 0's before each
@@ -100,7 +99,6 @@ def test_batchnorm_model_passes_sync_checks(tmp_path, nproc):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_sync_bn_on_cpu_refused_up_front(tmp_path):
     res = train(tmp_path, "--model", "cnn", "--sync_bn", "true", "--epochs", "1", nproc=2)
     assert res.returncode != 0 and "Traceback" not in workers(res.stderr)
@@ -109,7 +107,6 @@ def test_sync_bn_on_cpu_refused_up_front(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("hang_timeout", ["180", "0"])  # 0: the watchdog is off, fail-fast must still work
 def test_failure_on_one_rank_only_is_printed_by_that_rank(tmp_path, hang_timeout):
     """Only rank 1 lacks the data files (as on a node without them): rank 1 says so, with its rank and
@@ -129,7 +126,6 @@ def test_failure_on_one_rank_only_is_printed_by_that_rank(tmp_path, hang_timeout
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_sigterm_while_waiting_in_the_rendezvous_exits_75_at_once(tmp_path):
     """Rank 0 of 2 waits for a rank 1 that never comes: SIGTERM must end it now, not after init_timeout_s."""
     with socket.socket() as s:
@@ -152,7 +148,6 @@ def test_sigterm_while_waiting_in_the_rendezvous_exits_75_at_once(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_sigterm_during_a_checkpoint_stops_right_after_it(tmp_path):
     """A signal that lands inside a (slow) checkpoint is acted on when the save ends, at that step,
     not up to preempt_check_every steps later."""
@@ -166,7 +161,6 @@ def test_sigterm_during_a_checkpoint_stops_right_after_it(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_compile_step_counts_as_startup_not_as_a_hang(tmp_path):
     """torch.compile's first step takes longer than this hang timeout; it must not be reported as a hang
     (no hang report, the job ends well). Where each rank is may be said once as a warning (step 1 is
@@ -179,7 +173,6 @@ def test_compile_step_counts_as_startup_not_as_a_hang(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_rendezvous_on_a_foreign_port_is_bounded(tmp_path):
     """A program that accepts connections and never answers holds MASTER_PORT: rank 1 must give up
     after init_timeout_s with one line naming host:port, not wait forever."""
@@ -236,7 +229,6 @@ def test_threads_per_rank_one_rule():
 # ---- issue 16 ----------------------------------------------------------------------------------------
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_second_job_in_the_same_run_dir_is_refused_and_a_killed_one_is_not(tmp_path):
     first = popen([sys.executable, "-m", "ddp_kit.train", *FAST, "--run_dir", str(tmp_path), "--epochs", "20",
                    "--ckpt_every", "5", "--inject", "slow:rank=0:step=1:ms=100"])  # ~45 s: killed below
@@ -255,7 +247,6 @@ def test_second_job_in_the_same_run_dir_is_refused_and_a_killed_one_is_not(tmp_p
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_run_dir_under_a_regular_file_is_one_line(tmp_path, nproc):
     (tmp_path / "file").write_text("x")
@@ -270,7 +261,6 @@ def _root_mount(*args) -> bool:
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_read_only_run_dir_is_one_line(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -285,7 +275,6 @@ def test_read_only_run_dir_is_one_line(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_disk_full_while_checkpointing(tmp_path):
     """The run folder is a 12 MiB tmpfs; each checkpoint of this MLP (3072-256-10 + AdamW) is ~9.5 MiB,
     so the second save cannot fit: one line with sizes, no half-written folder, the first intact."""
@@ -309,7 +298,6 @@ def test_disk_full_while_checkpointing(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_nan_loss_stops_and_never_becomes_latest(tmp_path):
     res = train(tmp_path, "--epochs", "2", "--ckpt_every", "5", "--keep_last", "1", "--log_every", "100",
                 "--inject", "nan:rank=1:step=7", nproc=2)
@@ -321,7 +309,6 @@ def test_nan_loss_stops_and_never_becomes_latest(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, launcher):
     """SIGINT to the whole foreground process group, as a terminal sends it."""

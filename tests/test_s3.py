@@ -33,7 +33,7 @@ from conftest import REFERENCE_2_EPOCHS, ROOT, ok, proc_env, read_json, run_cmd,
 from ddp_kit.checkpoint import layout
 from s3_server import S3Server, bucket_fixture, s3_fixture, serve  # noqa: F401  (fixtures s3, bucket)
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 PREFIX = "jobs/mnist"  # a prefix with a slash: keys are not folders, and the backend must not assume one level
 TRAIN = ["-m", "ddp_kit.train", *REFERENCE_2_EPOCHS]
 

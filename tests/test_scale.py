@@ -55,7 +55,6 @@ def ours(res):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_divergence_names_the_rank_among_four(tmp_path):
     res, _ = faulty(tmp_path, "perturb:rank=2:step=5")
     assert res.returncode != 0
@@ -65,7 +64,6 @@ def test_divergence_names_the_rank_among_four(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_hang_report_names_the_lagging_rank_among_four(tmp_path):
     res, took = faulty(tmp_path, "hang:rank=3:step=5")
     assert res.returncode != 0
@@ -77,7 +75,6 @@ def test_hang_report_names_the_lagging_rank_among_four(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_straggler_named_among_four_with_summarised_records(tmp_path):
     """rank_records_max=2 at 4 ranks: metrics.jsonl holds median/max/argmax per field, and the slowed rank
     is still named (the straggler check sees every rank at rank 0, not the summary)."""
@@ -96,7 +93,6 @@ def test_straggler_named_among_four_with_summarised_records(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_control_traffic_runs_on_the_side_group(tmp_path):
     """Every control-plane collective (agreement, preemption flag, NaN guard, log numbers, rank metrics,
     sync check, its divergence path) names the CPU side group, which under NCCL keeps it off the GPU."""
@@ -111,7 +107,6 @@ def test_control_traffic_runs_on_the_side_group(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_frozen_rank_is_named_from_its_silent_heartbeat(tmp_path):
     """SIGSTOP on rank 1 mid-run: its sockets stay open, so no collective fails, and the hang timeout is
     far away. Its stale heartbeat names it within peer_timeout_s (what NCCL would otherwise leave

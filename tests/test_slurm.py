@@ -12,7 +12,7 @@ import pytest
 import slurm_cluster
 from conftest import REFERENCE_3_EPOCHS, ROOT, read_json
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.skipif(slurm_cluster.available() is not None,
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(slurm_cluster.available() is not None,
                                                    reason=f"no SLURM here: {slurm_cluster.available()}")]
 
 ARGS = [*REFERENCE_3_EPOCHS, "--hang_timeout_s", "60"]  # epochs 3, a checkpoint every 5 steps

@@ -17,7 +17,7 @@ import slurm_cluster
 from conftest import ROOT, read_json
 
 pytest.importorskip("torchft")
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.skipif(slurm_cluster.available() is not None,
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(slurm_cluster.available() is not None,
                                                    reason=f"no SLURM here: {slurm_cluster.available()}")]
 
 # A stable step time (weights unaffected), so that the kill lands mid-run and group 0 is still training when

@@ -29,7 +29,6 @@ def assert_failed_everywhere(res):
     assert codes and all("exitcode  : 0" not in c for c in codes), res.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_a_extra_collective(tmp_path):
     res, took = faulty(tmp_path, "extra_collective:rank=1:step=5")
     assert_failed_everywhere(res)
@@ -41,7 +40,6 @@ def test_a_extra_collective(tmp_path):
     assert took < HANG + 25, took
 
 
-@pytest.mark.slow
 def test_b_hang(tmp_path):
     res, took = faulty(tmp_path, "hang:rank=1:step=5")
     assert_failed_everywhere(res)
@@ -53,7 +51,6 @@ def test_b_hang(tmp_path):
     assert took < HANG + 25, took  # 15 s on an idle machine
 
 
-@pytest.mark.slow
 def test_c_raise(tmp_path):
     res, took = faulty(tmp_path, "raise:rank=1:step=5")
     assert_failed_everywhere(res)
@@ -64,7 +61,6 @@ def test_c_raise(tmp_path):
     assert took < 30, took  # fail-fast: 3 s on an idle machine, not the 60 s collective timeout
 
 
-@pytest.mark.slow
 def test_d_perturbed_parameters(tmp_path):
     res, took = faulty(tmp_path, "perturb:rank=1:step=5")
     assert_failed_everywhere(res)
@@ -72,14 +68,12 @@ def test_d_perturbed_parameters(tmp_path):
     assert len(lines) == 1 and "rank 1" in lines[0] and "sync check" in lines[0] and "1.weight" in lines[0], ours(res)
 
 
-@pytest.mark.slow
 def test_d_perturbed_parameters_broadcast_fix(tmp_path):
     res = ok(torchrun(["-m", "ddp_kit.train", *COMMON, "--run_dir", str(tmp_path), "--inject", "perturb:rank=1:step=5",
                        "--sync_fix", "broadcast"], timeout=120))
     assert "re-broadcast from rank 0" in res.stdout
 
 
-@pytest.mark.slow
 def test_e_different_config(tmp_path):
     res, _ = faulty(tmp_path, "config:rank=1")
     assert_failed_everywhere(res)
@@ -88,7 +82,6 @@ def test_e_different_config(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.slow
 def test_f_collective_inside_main_only_raises(tmp_path):
     res = ok(torchrun([str(HELPERS / "main_only.py")], timeout=120))
     for what in ("all_reduce", "fsdp forward"):
@@ -103,7 +96,6 @@ def test_f_collective_inside_main_only_raises(tmp_path):
 STARTUP = 20
 
 
-@pytest.mark.slow
 def test_g_a_hang_in_step_1_is_reported_at_the_hang_timeout_and_ends_at_the_startup_bound(tmp_path):
     """Step 1 may be slow (compile), so it is not ended at the hang timeout; but where each rank is
     is said then, not after the whole startup bound in silence."""
@@ -118,7 +110,6 @@ def test_g_a_hang_in_step_1_is_reported_at_the_hang_timeout_and_ends_at_the_star
     assert after.index("rank 1 (") < after.index("ddp_kit: hang: no progress for ")  # said first, ended later
 
 
-@pytest.mark.slow
 def test_h_a_single_rank_job_under_torchrun_that_hangs_is_reported_and_ends(tmp_path):
     """World size 1 under a launcher: the watchdog runs too (a store in the process), so a stuck
     single-GPU job leaves its stacks (and NCCL's flight recorder) and frees its allocation, at the

@@ -26,7 +26,6 @@ def job(cwd, *args, nproc=2):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_dict_batches_and_a_custom_loss_train_under_torchrun(cwd):
     res = ok(job(cwd, *TASK, "--model_args", '{"hidden": 32}', "--dataset_args", '{"n": 256}', "--batch_size", "32"))
     summary = read_json(cwd / "run" / "summary.json")
@@ -59,7 +58,6 @@ def test_a_bad_task_is_one_line_and_exit_2(cwd, args, says):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_bad_path_under_torchrun_is_printed_once(cwd):
     res = job(cwd, "--model", "mytask:nope")
     assert res.returncode != 0
@@ -76,7 +74,6 @@ def test_default_loss_refuses_dict_batches_in_one_line(cwd):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_a_user_task_killed_under_max_restarts_resumes_bit_identical(cwd):
     """A task module by import path gets what the built-in tasks get: SIGKILL of rank 1 under
     --max-restarts=1 resumes from the last checkpoint and ends with the same weights."""

@@ -68,7 +68,6 @@ def warnings(text: str) -> list[str]:
     return [line for line in text.splitlines() if "warning" in line.lower()]
 
 
-@pytest.mark.slow
 def test_one_tracker_run_across_a_torchrun_restart_and_a_preemption(tmp_path, mlflow, reference_summary):
     reference = metrics(reference_summary.folder(2, REFERENCE_2_EPOCHS))  # uninterrupted, 2 ranks, no trackers
     run_dir = tmp_path / "run"
@@ -210,7 +209,6 @@ def ft_workers(launcher: subprocess.Popen, group: int) -> list[int]:
     return found
 
 
-@pytest.mark.slow
 def test_under_ft_the_logging_group_lost_and_recovered_live_continues_its_tracker_runs(tmp_path, mlflow):
     pytest.importorskip("torchft")
     run_dir = tmp_path / "run"

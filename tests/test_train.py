@@ -38,7 +38,6 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_two_ranks_match_one_rank(runs):
     one = read_json(runs["one"] / "rank0.json")
     two = runs["a1"]
@@ -53,7 +52,6 @@ def test_two_ranks_match_one_rank(runs):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_grad_accum_equals_bigger_micro_batch(runs):
     a1, a2 = runs["a1"], runs["a2"]
     p1 = torch.load(a1 / "params_rank0.pt")
@@ -65,7 +63,6 @@ def test_grad_accum_equals_bigger_micro_batch(runs):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_two_concurrent_two_rank_runs(tmp_path):
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ddp_kit.train",
              "--epochs", "3", "--progress", "false", "--run_dir", str(tmp_path / f"r{i}")] for i in range(2)]
@@ -96,7 +93,6 @@ def test_four_line_api_diff():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_four_line_api_runs_both_ways():
     single = ok(run_cmd([sys.executable, "examples/single_device.py"]))
     ddp = ok(torchrun(["examples/ddp.py"], nproc=2))

@@ -219,7 +219,6 @@ def export(*args):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_safetensors_of_a_2_rank_run_gives_the_checkpoints_outputs(runs, tmp_path, strategy, no_unpickling):
     from ddp_kit.reliability.sync_checks import param_sha256
@@ -253,7 +252,6 @@ def test_safetensors_of_a_2_rank_run_gives_the_checkpoints_outputs(runs, tmp_pat
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_run_load_weights_on_2_ranks(runs, tmp_path, strategy):
     """The 2-rank FSDP run's export loaded by run.load_weights into a model prepared over 2 ranks (each

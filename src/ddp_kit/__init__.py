@@ -2,7 +2,9 @@
 
 Importing the package is cheap and has no side effects; torch is imported by the modules that use it.
 """
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__", "init", "Run"]
 
 
 def __getattr__(name):

@@ -43,11 +43,10 @@ LAUNCHERS = (ray_train, torchrun, kubeflow_trainer, volcano, pytorchjob, env_var
 # fault-tolerant launch.
 SCHEDULERS = (slurm, kubeflow_trainer, volcano, pytorchjob, pod, grace, replicas)
 
-TORCHRUN, ENV, SLURM, SINGLE = torchrun.NAME, env_vars.NAME, slurm.NAME, single.NAME
 _BY_NAME = {launcher.NAME: launcher for launcher in LAUNCHERS}
 
 __all__ = ["DistEnv", "LAUNCHERS", "STORE_OPS_PER_S", "check_gpus", "detect", "expand_nodelist", "poll_period",
-           "requeue_target", "slurm_port", "TORCHRUN", "ENV", "SLURM", "SINGLE"]
+           "requeue_target", "slurm_port"]
 
 
 def detect(environ: Mapping[str, str] | None = None) -> DistEnv:

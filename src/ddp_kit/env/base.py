@@ -85,10 +85,6 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
 
 def int_var(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
     """`environ[key]` as an int; `default` when unset or empty (no default: refused as missing)."""

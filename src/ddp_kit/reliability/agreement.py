@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from .. import __version__
 from ..collectives import barrier, set_collective_timeout
 from ..errors import UserError
+from ..version import __version__
 from .recipe import config_hash
 from .sync_checks import check_agreement, shapes_digest
 from .tracking import open_trackers

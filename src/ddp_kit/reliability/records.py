@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from .. import __version__
 from ..collectives import all_reduce_sum, gather_object
 from ..dist import DistContext
 from ..parallel.fsdp import memory_bytes
+from ..version import __version__
 from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
 from .outputs import RunWriter
 from .policy import Policy

@@ -47,11 +47,6 @@ class RunDir:
         return self.path / RUN_CHECKPOINTS
 
     @property
-    def checkpoint_location(self) -> str | Path:
-        """Where the checkpoint backend opens: ckpt_dir, else run_dir/checkpoints."""
-        return self.ckpt_dir if self.ckpt_dir is not None else self.checkpoints
-
-    @property
     def hang(self) -> Path:
         return self.path / "hang"
 

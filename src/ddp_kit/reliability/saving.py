@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .. import __version__
 from ..checkpoint.checkpointer import rng_state
 from ..parallel.ddp import sync_ddp_buffers
+from ..version import __version__
 from . import grace
 from .recipe import config_hash
 

@@ -20,9 +20,9 @@ import json
 import time
 from typing import Any
 
-from .. import __version__
 from ..trackers.base import Opening
 from ..trackers.hub import Hub, Ledger
+from ..version import __version__
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
