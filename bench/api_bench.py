@@ -24,7 +24,7 @@ VARIANTS.update({"api": ["api_ddp.py"]})
 
 
 def main(rounds: int = 7, steps: int = 300, skip: int = 20, worlds: str = "1,2"):
-    from ddp_kit.resources import MMAP_THRESHOLD, TRIM_THRESHOLD
+    from ddp_kit.dist.resources import MMAP_THRESHOLD, TRIM_THRESHOLD
 
     os.environ.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
     rows = []

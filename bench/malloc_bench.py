@@ -211,7 +211,7 @@ def markdown(res: dict) -> list[str]:
               f"{chk['mallopt']['wall']['median']:.2f}x with the thresholds",
               "fixed, where the check no longer changes the allocator and costs what it costs.", "",
               "**What ddp_kit does.** For CPU runs, process-group setup (`ddp_kit.init()`, and the reference job) calls",
-              "`ddp_kit.resources.tune_allocator`: `mallopt` sets the mmap threshold to 32 MiB and the trim threshold to 64 MiB, the values of the",
+              "`ddp_kit.dist.resources.tune_allocator`: `mallopt` sets the mmap threshold to 32 MiB and the trim threshold to 64 MiB, the values of the",
               "two variables above, and the init line says `glibc malloc thresholds fixed`. A user's choice wins: with",
               "any MALLOC_* variable or glibc.malloc.* in GLIBC_TUNABLES ddp_kit leaves malloc alone, and",
               "DDP_KIT_MALLOC=0 keeps glibc's defaults (this bench checks both switches). The price: each process",

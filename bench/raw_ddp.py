@@ -26,8 +26,8 @@ def main(out: str, steps: int = 300, batch_size: int = 128, lr: float = 3e-3, se
     """`same_settings`: the threads per rank and glibc malloc thresholds ddp_kit sets at init (its
     apply_cpu_settings, nothing else of it), so that a comparison is of the loops alone."""
     if same_settings:
+        from ddp_kit.dist.resources import apply_cpu_settings
         from ddp_kit.env import detect
-        from ddp_kit.resources import apply_cpu_settings
 
         apply_cpu_settings(detect(), torch.device("cpu"))
     dist.init_process_group("gloo")

@@ -9,9 +9,9 @@ import socket
 import pytest
 
 from conftest import HELPERS, ok, torchrun
+from ddp_kit.dist.reach import wait_for_master
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
-from ddp_kit.reach import wait_for_master
 
 
 @pytest.mark.integration

@@ -4,8 +4,8 @@ import torch
 import torch.distributed as tdist
 from torch.torch_version import TorchVersion
 
-from ddp_kit.collectives import all_reduce_sum, all_same, all_true, rank0_verdict
 from ddp_kit.dist import DistContext, nccl_defaults
+from ddp_kit.dist.collectives import all_reduce_sum, all_same, all_true, rank0_verdict
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
 from ddp_kit.reliability.numerics import NonFiniteLoss

@@ -10,9 +10,9 @@ from conftest import ok, read_json, run_cmd
 from ddp_kit.checkpoint.checkpointer import rng_state, set_rng_state
 from ddp_kit.checkpoint.staging import snapshot
 from ddp_kit.dist import choose_backend
+from ddp_kit.dist.resources import loader_workers
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
-from ddp_kit.resources import loader_workers
 
 
 def test_a_shared_gpu_gets_gloo_and_nccl_is_refused_in_one_line():

@@ -125,8 +125,8 @@ def test_automatic_workers_fit_the_data_and_the_users_count_is_kept():
     a count set on the user's own DataLoader is kept as set."""
     from torch.utils.data import DataLoader
 
+    from ddp_kit.dist.resources import loader_workers
     from ddp_kit.env import DistEnv
-    from ddp_kit.resources import loader_workers
     from test_api_loader import _runs
 
     auto = loader_workers(DistEnv(), torch.device("cuda"), cpus_visible=64)

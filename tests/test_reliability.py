@@ -210,8 +210,8 @@ def test_rendezvous_on_a_foreign_port_is_bounded(tmp_path):
 
 
 def test_threads_per_rank_one_rule():
+    from ddp_kit.dist.resources import threads_per_rank
     from ddp_kit.env import DistEnv, detect
-    from ddp_kit.resources import threads_per_rank
 
     slurm = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
              "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4(x2)",
@@ -332,7 +332,7 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, launcher):
 
 
 def test_allocator_tuning_yields_to_the_user():
-    from ddp_kit.resources import tune_allocator
+    from ddp_kit.dist.resources import tune_allocator
 
     assert tune_allocator({"DDP_KIT_MALLOC": "0"}) is False
     assert tune_allocator({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"}) is False

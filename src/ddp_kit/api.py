@@ -43,10 +43,11 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .collectives import all_gather_object, all_reduce_sum, barrier
 from .data import TrainLoader, eval_loader, per_rank_batch
 from .data.resample import loader_sampling
 from .dist import DistContext, distributed
+from .dist.collectives import all_gather_object, all_reduce_sum, barrier
+from .dist.resources import loader_workers
 from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .errors import UserError
@@ -65,7 +66,6 @@ from .reliability.preemption import PreemptFlag
 from .reliability.progress import Progress
 from .reliability.run_dir_checks import hang_folder
 from .reliability.sync_checks import in_main_only, main_only
-from .resources import loader_workers
 from .run_options import config_as_json, per_replica_group, policy_from_options
 
 

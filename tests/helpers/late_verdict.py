@@ -10,8 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
+from ddp_kit.dist.failfast import FailFast, post
 from ddp_kit.errors import UserError
-from ddp_kit.failfast import FailFast, post
 
 kind = sys.argv[1]
 store = tdist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))

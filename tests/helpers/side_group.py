@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from ddp_kit.collectives import all_reduce_sum, all_same, all_true, barrier, broadcast_object, gather_object
 from ddp_kit.dist import distributed
+from ddp_kit.dist.collectives import all_reduce_sum, all_same, all_true, barrier, broadcast_object, gather_object
 from ddp_kit.errors import UserError
 from ddp_kit.reliability.metrics import StepTimer, gather_ranks
 from ddp_kit.reliability.numerics import NonFiniteLoss

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_true, rank0_verdict
 from ..dist import DistContext
+from ..dist.collectives import all_true, rank0_verdict
 from ..errors import UserError
 from . import dcp_files, folder, layout
 from .backend import Found

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_true
 from ..dist import DistContext
+from ..dist.collectives import all_true
 from ..errors import UserError
 from ..parallel.fsdp import local
 from . import layout

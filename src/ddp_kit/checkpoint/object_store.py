@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..dist import DistContext
+from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..errors import UserError
 from . import layout, store
 from .backend import Found

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..resources import AutoWorkers
+from ..dist.resources import AutoWorkers
 
 
 def fit_workers(dataset: Dataset, num_workers: int, batches: int) -> int:

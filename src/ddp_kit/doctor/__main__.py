@@ -93,8 +93,8 @@ def _flush_c_stdio() -> None:
 
 
 def _active(comm: bool, memory: bool, comm_max_mb: float | None) -> dict:
-    from ..collectives import all_gather_object
     from ..dist import distributed
+    from ..dist.collectives import all_gather_object
     from ..errors import UserError
     from .active import allocatable_memory, comm_sweep
     from .checks import Finding

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from ..collectives import all_gather_object
 from ..dist import DistContext
+from ..dist.collectives import all_gather_object
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..collectives import barrier, set_collective_timeout
+from ..dist.collectives import barrier, set_collective_timeout
 from ..errors import UserError
 from ..version import __version__
 from .recipe import config_hash

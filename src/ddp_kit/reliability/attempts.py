@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..collectives import rank0_verdict
+from ..dist.collectives import rank0_verdict
 from ..errors import EXIT_USER_ERROR, UserError
 from .tracking import close_trackers
 

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from ..checkpoint.backend import CheckpointBackend
-from ..collectives import broadcast_object
 from ..data import TrainLoader
 from ..dist import DistContext
+from ..dist.collectives import broadcast_object
 from ..errors import UserError
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy

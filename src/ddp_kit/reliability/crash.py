@@ -22,8 +22,8 @@ import traceback
 from collections.abc import Callable
 
 from ..dist import DistContext, hosts_store
+from ..dist.failfast import EXIT_PEER_FAILED, LINGER_S, peer_failure, post, same_error, say_stop
 from ..errors import EXIT_USER_ERROR, UserError
-from ..failfast import EXIT_PEER_FAILED, LINGER_S, peer_failure, post, same_error, say_stop
 from .peer_loss import diagnose_peer_loss, is_comm_error
 from .preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from .watchdog import EXIT_HANG

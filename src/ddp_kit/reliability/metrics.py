@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..collectives import gather_object
 from ..dist import DistContext
+from ..dist.collectives import gather_object
 
 PARTS = ("data", "forward", "backward", "optimizer", "comm", "other")
 

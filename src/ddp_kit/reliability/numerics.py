@@ -13,8 +13,8 @@ import math
 import torch
 import torch.distributed as tdist
 
-from ..collectives import all_gather_object
 from ..dist import DistContext
+from ..dist.collectives import all_gather_object
 from ..errors import UserError
 
 _NONE = 2**62

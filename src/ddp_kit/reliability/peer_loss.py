@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from ..failfast import peer_failure, stop_line
+from ..dist.failfast import peer_failure, stop_line
 from .progress import read_mirror
 
 COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out", "timed out",

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_reduce_sum, gather_object
 from ..dist import DistContext
+from ..dist.collectives import all_reduce_sum, gather_object
 from ..parallel.fsdp import memory_bytes
 from ..version import __version__
 from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks

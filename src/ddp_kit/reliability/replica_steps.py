@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..collectives import broadcast_object
+from ..dist.collectives import broadcast_object
 from ..errors import UserError
 from .preemption import PRIORITY
 from .recipe import is_scheduler

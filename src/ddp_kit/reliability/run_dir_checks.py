@@ -8,8 +8,8 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint.backend import scheme_of
-from ..collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..dist import DistContext
+from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..errors import UserError
 from .run_dir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from ..collectives import barrier
+from ..dist.collectives import barrier
 from . import grace, replica_steps
 from .preemption import agree_stop, exit_code, requeue
 

@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..collectives import all_same, broadcast_object, gather_object
 from ..dist import DistContext
+from ..dist.collectives import all_same, broadcast_object, gather_object
 from ..errors import UserError
 from ..parallel.fsdp import full_tensor, local
 

@@ -27,8 +27,8 @@ import traceback
 from pathlib import Path
 
 from ..dist import FR_PREFIX
+from ..dist.failfast import post
 from ..env import poll_period
-from ..failfast import post
 from .progress import PHASES, SLOW_PHASES, Progress
 
 EXIT_HANG = 3

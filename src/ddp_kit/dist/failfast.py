@@ -21,8 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
-from .env import poll_period
-from .errors import UserError
+from ..env import poll_period
+from ..errors import UserError
 
 EXIT_PEER_FAILED = 1
 FAILED_KEY = "ddp_kit/failed"

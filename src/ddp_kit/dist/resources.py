@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .env import DistEnv
+from ..env import DistEnv
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as tdist
 
-from .errors import UserError
+from ..errors import UserError
 
 if TYPE_CHECKING:
-    from .dist import DistContext
+    from .group import DistContext
 
 __all__ = ["all_gather_object", "all_reduce_sum", "all_same", "all_true", "barrier", "broadcast_object",
            "gather_object", "rank0_verdict", "set_collective_timeout"]

@@ -22,8 +22,8 @@ import torch.distributed as tdist
 from torch.torch_version import TorchVersion
 
 from .adopt import forget_ours, group_env, mark_ours, ours
-from .env import DistEnv, check_gpus, detect
-from .errors import EXIT_USER_ERROR, UserError
+from ..env import DistEnv, check_gpus, detect
+from ..errors import EXIT_USER_ERROR, UserError
 from .failfast import LINGER_S, FailFast, announce, post, store_prefix
 from .reach import wait_for_master
 from .resources import apply_cpu_settings
@@ -374,6 +374,3 @@ def teardown(abort: bool = False) -> None:
             tdist.destroy_process_group()
         except Exception as exc:  # a broken group must not hide the error that broke it
             print(f"ddp_kit: warning: destroying the process group failed: {exc}", file=sys.stderr)
-
-__all__ = ["DistContext", "announce", "distributed", "teardown", "choose_device", "choose_backend", "check_layout", "nccl_defaults",
-           "hosts_store", "client_store"]

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import torch.distributed as tdist
 
-from .env import DistEnv
-from .errors import UserError
+from ..env import DistEnv
+from ..errors import UserError
 
 # Default groups ddp_kit created itself (ids): a second ddp_kit.init() is then a mistake, not an
 # adoption. A set, since a group destroyed and created again is a new object.

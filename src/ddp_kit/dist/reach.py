@@ -16,8 +16,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from .env import DistEnv
-from .errors import UserError
+from ..env import DistEnv
+from ..errors import UserError
 
 # The backoff between tries: short at first (the usual case is a name that appears within a second
 # or two), capped so that a long wait still notices the host within a couple of seconds.
