@@ -16,11 +16,11 @@ from torch.utils.data import (
 
 from conftest import HELPERS, run_cmd, torchrun
 from ddp_kit.api import Run
+from ddp_kit.boundary.core import StepBoundary
+from ddp_kit.boundary.policy import Policy
 from ddp_kit.dist import DistContext
 from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
-from ddp_kit.reliability.boundary import StepBoundary
-from ddp_kit.reliability.policy import Policy
 from ddp_kit.reliability.preemption import PreemptFlag
 from ddp_kit.reliability.progress import Progress
 

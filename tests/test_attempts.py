@@ -1,4 +1,4 @@
-"""A crash loop ends (reliability/attempts.py): attempts that fail without a new checkpoint are counted,
+"""A crash loop ends (boundary/attempts.py): attempts that fail without a new checkpoint are counted,
 preemptions and attempts that made progress are not; under a restarter the next attempt is refused."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import torchrun
-from ddp_kit.reliability.attempts import failed_in_a_row
+from ddp_kit.boundary.attempts import failed_in_a_row
 
 
 def start(latest):

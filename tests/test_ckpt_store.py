@@ -173,9 +173,9 @@ def test_keep_last_zero_keeps_every_committed_step(url):
 
 
 def test_archive_copies_the_abandoned_steps_under_the_url_and_points_latest_first(url):
+    from ddp_kit.boundary.checkpoint_io import archive_folder
     from ddp_kit.checkpoint import open_backend, store
-    from ddp_kit.reliability.checkpoint_io import archive_folder
-    from ddp_kit.reliability.run_dir import RunDir
+    from ddp_kit.run_folder import RunDir
 
     ck = open_backend(url, _alone(), keep_last=0)
     for step in (1, 2, 3):
@@ -332,8 +332,8 @@ def test_refusal_names_missing_bucket_credentials_and_permission():
 
 
 def test_a_url_as_run_dir_and_a_ckpt_dir_without_run_dir_are_one_line():
+    from ddp_kit.boundary.policy import Policy
     from ddp_kit.errors import UserError
-    from ddp_kit.reliability.policy import Policy
 
     with pytest.raises(UserError) as err:
         Policy(run_dir="s3://bucket/run")
@@ -436,9 +436,9 @@ def test_two_ranks_killed_after_a_commit_resume_from_the_store_bit_identically(t
 
 
 def test_run_dir_checks_say_where_local_outputs_stay_and_check_a_ckpt_dir_folder(tmp_path, capsys):
+    from ddp_kit.boundary.run_dir_checks import prepare_run_dir
     from ddp_kit.errors import UserError
-    from ddp_kit.reliability.run_dir import RunDir
-    from ddp_kit.reliability.run_dir_checks import prepare_run_dir
+    from ddp_kit.run_folder import RunDir
 
     lock = prepare_run_dir(_alone(), RunDir(tmp_path / "run", "s3://bucket/run"))
     lock.release()

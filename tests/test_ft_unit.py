@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from ddp_kit.boundary.policy import Policy
 from ddp_kit.data.train_loader import TrainLoader
 from ddp_kit.env import DistEnv, detect
 from ddp_kit.errors import UserError
 from ddp_kit.launch import ft as launch_ft
 from ddp_kit.parallel import ft
 from ddp_kit.parallel.strategy import strategy, strategy_of
-from ddp_kit.reliability.policy import Policy
 from ddp_kit.run_options import per_replica_group
 
 # What torchrun puts into a worker's environment (rank 1 of a 2-rank group on one node).
@@ -330,7 +330,7 @@ def test_a_discarded_step_does_not_move_a_gated_schedule_and_an_epochs_end_does(
 def _ft_run(tmp_path, commits, manager=None):
     """A one-process Run whose model is a replica group member with a scripted quorum (FakeManager)."""
     import ddp_kit
-    from ddp_kit.reliability import replica_steps
+    from ddp_kit.parallel import ft_steps
 
     run = ddp_kit.init(run_dir=str(tmp_path), env=DistEnv(), device="cpu", resume="never", log_every=0,
                        sync_check_every=0, ckpt_every=0, ckpt_every_s=0)
@@ -340,7 +340,7 @@ def _ft_run(tmp_path, commits, manager=None):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     model, loader, opt = run.prepare(model, torch.utils.data.DataLoader(data, batch_size=4), opt)
     r = replica(manager or FakeManager(commits=commits, participants=[2]))
-    replica_steps.attach(run._boundary, r)
+    ft_steps.attach(run._boundary, r)
     return run, model, loader, opt, r
 
 

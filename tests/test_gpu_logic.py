@@ -149,12 +149,12 @@ def test_oom_report_reads_the_cap_where_torch_exposes_it(monkeypatch, torch_tell
 
 
 def test_a_cuda_error_gets_the_doctors_findings_by_default_and_the_scripts_notes_when_given(tmp_path, capsys):
-    """The failure policy (reliability/crash.py) imports no doctor: ddp_kit.init hands it the doctor's
+    """The failure policy (reliability/failures.py) imports no doctor: ddp_kit.init hands it the doctor's
     findings, and run.explain_cuda_errors replaces them. The CUDA error is a plain RuntimeError with
     CUDA's text (no GPU here); the handler only reads the message."""
     import ddp_kit
     from ddp_kit.doctor import findings_for_error
-    from ddp_kit.reliability.crash import handle
+    from ddp_kit.reliability.failures import handle
 
     with ddp_kit.init(run_dir=str(tmp_path / "r"), hang_timeout_s=0) as run:
         boundary = run._boundary

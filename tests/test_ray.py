@@ -161,7 +161,7 @@ def test_killed_worker_is_restarted_and_resumes_bit_identically(ray_cluster, uni
     assert summary["steps"] == STEPS
     assert summary["param_sha256"] == read_json(reference / "summary.json")["param_sha256"]
     # The records are the uninterrupted run's, loss for loss; the first attempt's record past the
-    # checkpoint it resumed from was moved aside (reliability/outputs.py, supersede).
+    # checkpoint it resumed from was moved aside (boundary/run_writer.py, supersede).
     assert train_records(run_dir / "metrics.jsonl") == train_records(reference / "metrics.jsonl")
     (superseded,) = (run_dir / "archive").glob("*/metrics.jsonl")
     assert [r["step"] for r in map(json.loads, superseded.read_text().splitlines())] == [KILL["step"]]

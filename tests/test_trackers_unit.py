@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from ddp_kit.boundary.policy import Policy
+from ddp_kit.boundary.tracking import lineage
 from ddp_kit.errors import UserError
-from ddp_kit.reliability.policy import Policy
-from ddp_kit.reliability.tracking import lineage
 from ddp_kit.trackers import hub as hub_module
 from ddp_kit.trackers import parse
 from ddp_kit.trackers.base import Opening, Tracker, scalars

@@ -9,22 +9,22 @@ and four more give it checkpoints, preemption, the hang watchdog and sync checks
     for epoch in run.epochs(10):                          # continues with the epoch the checkpoint was in
         ...
         optimizer.step()
-        run.step(loss)                                    # the step boundary (reliability/boundary.py)
+        run.step(loss)                                    # the step boundary (boundary/core.py)
 
 `loss.backward()` and `optimizer.step()` stay as they are. The loader's batch_size is read as
 the GLOBAL batch (split over ranks) so that the recipe is the same on 1 and N ranks; pass
 `split_batches=False` to keep it per rank, as Accelerate does by default.
 
 A loader is sharded the way it samples, or refused in one line (`Run.train_loader`). Any error
-that ends the script is handled as in `python -m ddp_kit.train` (reliability/crash.py): a UserError
+that ends the script is handled as in `python -m ddp_kit.train` (reliability/failures.py): a UserError
 is one line and exit 2; another exception is printed once, by the rank that raised it, and the
 other ranks stop within seconds, naming it.
 
 This module is the face only: `init`, `Run` (every method a script calls, which is why it is long:
 each is a few lines that hand over to the module doing the work) and `Resumed`. The rest lives in
-modules named for it: the step boundary (reliability/boundary.py), option checks (run_options.py),
-a loader's sampling (data/resample.py), the eval loader (reliability/eval_pass.py), the excepthook
-(reliability/excepthook.py), the strategies (parallel/).
+modules named for it: the step boundary (boundary/core.py), option checks (run_options.py),
+a loader's sampling (data/resample.py), the eval loader (boundary/eval_pass.py), the excepthook
+(boundary/excepthook.py), the strategies (parallel/).
 """
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .boundary.core import StepBoundary
+from .boundary.eval_pass import EvalLoader
+from .boundary.excepthook import Failures
+from .boundary.policy import Policy
 from .data import TrainLoader, eval_loader, per_rank_batch
 from .data.resample import loader_sampling
 from .dist import DistContext, distributed
@@ -52,20 +56,16 @@ from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .errors import UserError
 from .integrations.ray import reporter as ray_reporter
+from .parallel import ft_steps
 from .parallel.fsdp import full_state_dict, is_sharded
 from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
 from .parallel.strategy import strategy as find_strategy
 from .parallel.strategy import strategy_of
 from .parallel.wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
-from .reliability import replica_steps
-from .reliability.boundary import StepBoundary
-from .reliability.eval_pass import EvalLoader
-from .reliability.excepthook import Failures
-from .reliability.policy import Policy
 from .reliability.preemption import PreemptFlag
 from .reliability.progress import Progress
-from .reliability.run_dir_checks import hang_folder
 from .reliability.sync_checks import in_main_only, main_only
+from .run_folder import hang_folder
 from .run_options import config_as_json, per_replica_group, policy_from_options
 
 
@@ -144,7 +144,7 @@ class Run:
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
         if models:  # strategy ft: the model's replica group member joins the step boundary
-            replica_steps.attach_models(self._boundary, chosen, [o for o in out if isinstance(o, nn.Module)])
+            ft_steps.attach_models(self._boundary, chosen, [o for o in out if isinstance(o, nn.Module)])
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._boundary.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import EXIT_USER_ERROR, UserError
-from .reliability.run_dir import RunDir
+from .run_folder import RunDir
 
 # Fields of a non-train record that are not metrics: the x axis, the writer's timestamp, and ids.
 NOT_METRICS = {"step", "epoch", "time", "rank", "pid", "id"}
 # The reference job's eval fields, drawn in the loss panel (eval_samples is a count, not a metric).
 EVAL_DRAWN = {"eval_loss", "eval_accuracy", "eval_samples"}
-# What strategy ft's step boundary writes (reliability/replica_steps.py): its own panel, not the script's.
+# What strategy ft's step boundary writes (parallel/ft_steps.py): its own panel, not the script's.
 REPLICA_EVENTS = {"quorum", "step_discarded", "replica_pause", "recovery", "replica_weights_checked"}
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .boundary.policy import Policy
 from .errors import UserError
-from .reliability.policy import Policy
 
 
 def config_as_json(config: dict | None) -> dict | None:

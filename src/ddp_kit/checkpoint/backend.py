@@ -63,7 +63,7 @@ class CheckpointBackend(Protocol):
 
     def take_timings(self) -> list[dict[str, float]]:
         """The saves committed since the last call, oldest first: {"step", "blocking_s" (the loop's
-        wait in save), "commit_s" (from save to the commit)} (reliability/grace.py records them)."""
+        wait in save), "commit_s" (from save to the commit)} (boundary/grace_period.py records them)."""
 
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
         """The step to resume from (collective): "auto" the newest valid one (at most `latest`, damaged

@@ -6,7 +6,7 @@ sees), and a restart by Ray's `FailureConfig` resumes from run_dir, so Ray's che
 used. The contract, from Ray 2.60's ray/train/v2/api/train_fn_utils.py (`report`): every worker
 must call `ray.train.report` the same number of times, because it is a barrier across the workers;
 only rank 0's metrics are kept in the result; tensors are refused. ddp_kit's log records are made
-at the same step on every rank (reliability/records.py calls each on_log callback on every rank,
+at the same step on every rank (boundary/records.py calls each on_log callback on every rank,
 after the log all-reduce), so a callback on that hook meets the barrier's rule.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ go on with the groups left (the lighthouse drops the dead one after its heartbea
 comes back, it joins the next quorum and receives the weights, optimizer state, data position and
 step count live from a peer (torchft's HTTP transport), with no checkpoint read.
 
-One step of a replica, driven by the step boundary (reliability/replica_steps.py):
+One step of a replica, driven by the step boundary (parallel/ft_steps.py):
 
     the loader's fetch     `begin_step`: a quorum (synchronous, so a recovering group is healed
                            before it draws its batch, and its step counts with the others')
@@ -20,9 +20,9 @@ One step of a replica, driven by the step boundary (reliability/replica_steps.py
 the groups: each group decides for itself. Groups can decide differently (a cross-group all-reduce
 that failed in one group and not in another), and are then one step apart. That does not last
 unseen: the next quorum they share compares their step counts and heals the one behind live from
-one ahead (torchft's max_step rule), which replica_steps reports as a recovery and follows with a
+one ahead (torchft's max_step rule), which ft_steps reports as a recovery and follows with a
 weights check; and at the end of the job a group claims the result only with the weights of the
-group that finished first (replica_steps.claim).
+group that finished first (ft_steps.claim).
 
 DDP's buckets are never rebuilt (find_unused_parameters), as torchft requires: a group that
 restarts must lay its gradients out as the running ones do. Tested with torchft-nightly
@@ -98,7 +98,7 @@ class Replica:
     participants: int = 0  # replica groups in the current quorum
     discarded: int = 0  # steps this group ran and threw away (total)
     quorum_s: float = 0.0  # seconds spent forming quorums since the last take_window
-    pause_s: float = 0.0  # seconds the steps waited beyond the usual since the last take (replica_steps.counted)
+    pause_s: float = 0.0  # seconds the steps waited beyond the usual since the last take (ft_steps.counted)
     recoveries: list[dict] = field(default_factory=list)  # live recoveries of this group: step, seconds, source
     events: list[dict] = field(default_factory=list)  # for metrics.jsonl, taken by the boundary
     gated: list[Any] = field(default_factory=list)  # the optimizers whose step waits for the commit decision
@@ -107,7 +107,7 @@ class Replica:
     # scheduler.step() now belongs to the discarded step (see gate_schedule).
     discarding: bool = False
     # The boundary's live state (the registered objects and counters) for a recovering peer, and
-    # how to take one in: set by reliability/replica_steps.py.
+    # how to take one in: set by parallel/ft_steps.py.
     state_fn: Callable[[], dict] | None = None
     load_fn: Callable[[dict], None] | None = None
     # Called when a gated optimizer step is discarded: torch's step hooks, which drive a loop that

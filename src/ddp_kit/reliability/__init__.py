@@ -1,5 +1,6 @@
-"""The step boundary and what it schedules: checkpoints, preemption, fail-fast, the watchdog, peer
-loss, sync checks, numerics, metrics and the run folder."""
+"""The services the step boundary schedules, each with plain arguments: the failure policy, the hang
+watchdog, peer loss, preemption, sync checks, numerics, metrics and progress; and the recipe's rules
+(what may change at a resume)."""
 
 # The public names, each imported from its module on first use: the reference job's config check
 # asks for config_hash, and importing every module here would load torch for it.

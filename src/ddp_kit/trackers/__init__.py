@@ -1,5 +1,5 @@
 """Experiment trackers (TensorBoard, MLflow, Weights & Biases): rank 0 sends them what it writes to
-metrics.jsonl, and every attempt of a run continues one tracker run (hub.py, reliability/tracking.py).
+metrics.jsonl, and every attempt of a run continues one tracker run (hub.py, boundary/tracking.py).
 
 `TRACKERS`: adding one is a new file defining `TRACKER` (a base.Tracker subclass) plus one line
 there. The registry names modules rather than importing them, and a tracker's file imports its tool

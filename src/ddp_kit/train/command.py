@@ -4,7 +4,7 @@ A client of the public API, as a user's own script would be (it imports only pac
 tests/test_layering.py checks): `ddp_kit.init()` gives the process group, the run folder and the
 reliability layer; the reference job builds its parts (job.py), runs its loop (loop.py) and writes
 its summary. The same command runs as one process or under torchrun/srun; nothing here branches
-on it. Every failure goes through the failure policy (reliability/crash.py) when the `with` block
+on it. Every failure goes through the failure policy (reliability/failures.py) when the `with` block
 exits, so this file has no error handling of its own beyond the CLI's.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 accumulation, the step boundary (`run.step`), exact evaluation, log lines.
 
 Checkpoints, preemption, sync checks, the NaN guard, the hang watchdog and metrics.jsonl are the
-step boundary's business (reliability/boundary.py); this loop adds what is particular to the
+step boundary's business (boundary/core.py); this loop adds what is particular to the
 reference job: the loss function's metrics, throughput and MFU in each record, and the console lines.
 """
 from __future__ import annotations

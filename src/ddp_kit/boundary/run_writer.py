@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..checkpoint.durable import atomic_write_text
-from .run_dir import RunDir
+from ..run_folder import RunDir
 
 
 class RunWriter:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..data import TrainLoader
 from ..errors import UserError
 from ..parallel.ddp import unwrap
-from .recipe import is_scheduler
+from ..reliability.recipe import is_scheduler
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any

@@ -1,7 +1,7 @@
 """The run folder: its layout, and the checks that make it safe to use before any work starts.
 
     run_dir/config.yaml, metrics.jsonl, summary.json   rank 0
-    run_dir/trackers.json, tb/, wandb/                rank 0: the experiment trackers' run ids (reliability/tracking.py)
+    run_dir/trackers.json, tb/, wandb/                rank 0: the experiment trackers' run ids (boundary/tracking.py)
     run_dir/checkpoints/                              the folder checkpoint backend (names: checkpoint/layout.py),
                                                       unless ckpt_dir puts checkpoints elsewhere (a URL)
     run_dir/hang/                                     stacks and traces of a hang or crash
@@ -27,12 +27,13 @@ import os
 import secrets
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.layout import RUN_CHECKPOINTS
-from ..errors import UserError
+from .checkpoint.layout import RUN_CHECKPOINTS
+from .errors import UserError
 
 LOCK_WAIT_SAME_JOB_S = 30.0
 
@@ -159,3 +160,11 @@ def sees_token(path: Path, token: str) -> bool:
 
 def remove_token(path: Path, token: str) -> None:
     (path / f".shared.{token}").unlink(missing_ok=True)
+
+
+def hang_folder(run_dir: str | Path | None) -> str:
+    """run_dir/hang; without a run folder a per-user folder in the temp dir, so that a hang still
+    leaves its stacks somewhere findable."""
+    if run_dir:
+        return str(RunDir(Path(run_dir)).hang)
+    return os.path.join(tempfile.gettempdir(), f"ddp_kit-hang-{os.getuid()}")

@@ -10,10 +10,10 @@ import torch
 
 from ..checkpoint.checkpointer import set_rng_state
 from ..errors import UserError
+from ..parallel import ft_steps
 from ..parallel.strategy import UNRECORDED
-from . import replica_steps
+from ..reliability.recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 from .checkpoint_io import archive_lineage
-from .recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 from .tracking import META_KEY, open_trackers
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
@@ -29,11 +29,11 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
     ckpt = b.checkpointer()
     b.progress.enter("startup")
     # A replica group that restarts while others train (strategy ft) takes their state live instead.
-    live = b.replica is not None and replica_steps.join(b)
+    live = b.replica is not None and ft_steps.join(b)
     found = None if live else ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
     meta = _restore(b, ckpt, found, check) if found is not None else {}
     if b.replica is not None and not live:
-        replica_steps.resumed_from_disk(b)
+        ft_steps.resumed_from_disk(b)
     if b.ctx.is_main and b.rd is not None and not live:  # a live recovery continues the run's own lineage
         archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
     if b.policy.ckpt_every == 0 and b.rd is not None:

@@ -10,9 +10,9 @@ from pathlib import Path
 from ..checkpoint.backend import CheckpointBackend, Found, open_backend
 from ..checkpoint.layout import ARCHIVE, step_name
 from ..dist import DistContext
-from .outputs import RunWriter
+from ..run_folder import RunDir
 from .policy import Policy
-from .run_dir import RunDir
+from .run_writer import RunWriter
 
 
 def open_checkpointer(ctx: DistContext, rd: RunDir, policy: Policy) -> CheckpointBackend:

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import UserError
 from ..parallel.ddp import ddp_local_forward, sync_ddp_buffers
-from .sync_checks import in_main_only
+from ..reliability.sync_checks import in_main_only
 
 
 class EvalLoader:

@@ -32,9 +32,9 @@ import torch
 
 from ..dist.collectives import broadcast_object
 from ..errors import UserError
-from .preemption import PRIORITY
-from .recipe import is_scheduler
-from .sync_checks import checksums, param_sha256
+from ..reliability.preemption import PRIORITY
+from ..reliability.recipe import is_scheduler
+from ..reliability.sync_checks import checksums, param_sha256
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any

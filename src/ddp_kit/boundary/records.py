@@ -12,12 +12,12 @@ import torch
 from ..dist import DistContext
 from ..dist.collectives import all_reduce_sum, gather_object
 from ..parallel.fsdp import memory_bytes
+from ..reliability.metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
+from ..reliability.recipe import config_hash
+from ..reliability.sync_checks import param_sha256
 from ..version import __version__
-from .metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
-from .outputs import RunWriter
 from .policy import Policy
-from .recipe import config_hash
-from .sync_checks import param_sha256
+from .run_writer import RunWriter
 from .tracking import hub_for
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.

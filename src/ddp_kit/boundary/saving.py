@@ -9,9 +9,9 @@ import torch
 
 from ..checkpoint.checkpointer import rng_state
 from ..parallel.ddp import sync_ddp_buffers
+from ..reliability.recipe import config_hash
 from ..version import __version__
-from . import grace
-from .recipe import config_hash
+from . import grace_period
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
@@ -41,4 +41,4 @@ def save(b: Boundary) -> None:
     b.progress.enter(phase)
     b.saved_step = b.done
     b.last_save_t = time.monotonic()
-    grace.note_timings(b)  # this save's time if it committed already, else the previous one's
+    grace_period.note_timings(b)  # this save's time if it committed already, else the previous one's

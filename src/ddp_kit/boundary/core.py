@@ -39,22 +39,22 @@ from ..data import TrainLoader
 from ..dist import DistContext
 from ..dist.collectives import broadcast_object
 from ..errors import UserError
+from ..parallel import ft_steps
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy
-from . import agreement, attempts, grace, registration, replica_steps, resume, saving, stopping
+from ..reliability.failures import handle
+from ..reliability.numerics import NonFiniteLoss
+from ..reliability.preemption import PreemptFlag
+from ..reliability.progress import Progress
+from ..reliability.sync_checks import check_consistency, optimizer_steps
+from ..reliability.watchdog import Watchdog
+from ..run_folder import RunDir, hang_folder
+from . import agreement, attempts, grace_period, registration, resume, saving, stopping
 from .checkpoint_io import open_checkpointer
-from .crash import handle
 from .lifecycle import RunResources, watch_store
-from .numerics import NonFiniteLoss
 from .policy import Policy
-from .preemption import PreemptFlag
-from .progress import Progress
 from .records import MetricsRecords
-from .run_dir import RunDir
-from .run_dir_checks import hang_folder
-from .sync_checks import check_consistency, optimizer_steps
 from .train_state import TrainState
-from .watchdog import Watchdog
 
 
 def _say(ctx: DistContext) -> Callable[[str], None]:
@@ -79,7 +79,7 @@ class StepBoundary:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.meta: dict[str, Any] = {}
         self.strategy: Strategy = strategy(DEFAULT)  # run.prepare sets the one it wrapped the models with
-        # This rank's member of a replica group's quorum (strategy "ft"; replica_steps.py), else None.
+        # This rank's member of a replica group's quorum (strategy "ft"; ft_steps.py), else None.
         self.replica: Any = None
         self.replica_seen: dict[str, Any] = {}
         self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
@@ -90,7 +90,7 @@ class StepBoundary:
         self.done = 0  # optimizer steps completed (resumed ones included)
         self.saved_step = -1
         self.last_save_t = time.monotonic()
-        self.last_ckpt_s: float | None = None  # the last committed checkpoint's seconds to commit (grace.py)
+        self.last_ckpt_s: float | None = None  # the last committed checkpoint's seconds to commit (grace_period.py)
         self.grace_warned = False
         self.exit_code = 0  # how this attempt ends: set by fail() and by a stop (attempts.py records it)
         self.attempt_started = False  # attempts.begin recorded this attempt's start (rank 0)
@@ -118,7 +118,7 @@ class StepBoundary:
         """Before any work: the run folder is checked and locked, the watchdog runs."""
         self.resources.start(self.config)
         self.records.writer = self.resources.writer
-        grace.check_at_start(self)
+        grace_period.check_at_start(self)
         attempts.begin(self)  # a crash loop stops here, before any work
         return self
 
@@ -130,7 +130,7 @@ class StepBoundary:
         try:
             if self._ckpt is not None:
                 self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
-                grace.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
+                grace_period.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
             attempts.end(self, self.exit_code)
         except Exception:
             if not self.failed:  # after a failure, the failure is what gets reported
@@ -186,7 +186,7 @@ class StepBoundary:
     def fetching(self) -> None:
         self.flush()
         if self.replica is not None:
-            replica_steps.begin(self)  # this step's quorum; a group behind recovers here, before its batch
+            ft_steps.begin(self)  # this step's quorum; a group behind recovers here, before its batch
         self.progress.enter("data", self.done + 1)
         self.timer.mark("other")
 
@@ -231,12 +231,12 @@ class StepBoundary:
         self.explicit = self.explicit or not implicit
         for loader in self.loaders:
             loader.commit()  # the batches this step used are consumed: the position a checkpoint keeps
-        if self.replica is not None and not replica_steps.counted(self):
+        if self.replica is not None and not ft_steps.counted(self):
             self.progress.enter("after step", self.done + 1)
             return self.done  # discarded by the quorum: not a step (its batches stay consumed)
         self.done += 1
         if self.replica is not None:
-            replica_steps.after_step(self)
+            ft_steps.after_step(self)
         done, p, pol = self.done, self.progress, self.policy
         self.progress.enter("after step", done)
         # Since the optimizer step: the loop's own work (local). Without a registered optimizer, all of
@@ -311,7 +311,7 @@ class StepBoundary:
         # Rank 0's word: a script may write its summary on rank 0 only, and the default one is collective.
         if self.rd is not None and not broadcast_object(self.ctx, self.records.summary_written if self.ctx.is_main else None):
             self.write_summary(self.records.default_summary(self))
-        replica_steps.claim(self)  # strategy ft without a summary (no run folder): the result is recorded all the same
+        ft_steps.claim(self)  # strategy ft without a summary (no run folder): the result is recorded all the same
 
     # ---- what the boundary schedules, each in its own module ------------------------------------------
 
@@ -351,9 +351,9 @@ class StepBoundary:
         self.records.write(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        if not replica_steps.claim(self):  # strategy ft: another group finished the job with other weights
+        if not ft_steps.claim(self):  # strategy ft: another group finished the job with other weights
             return
-        self.records.write_summary({**summary, **replica_steps.summary(self)})
+        self.records.write_summary({**summary, **ft_steps.summary(self)})
 
     @property
     def on_log(self) -> list[Callable[[dict], None]]:

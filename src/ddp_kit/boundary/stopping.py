@@ -8,8 +8,9 @@ import time
 from typing import Any
 
 from ..dist.collectives import barrier
-from . import grace, replica_steps
-from .preemption import agree_stop, exit_code, requeue
+from ..parallel import ft_steps
+from ..reliability.preemption import agree_stop, exit_code, requeue
+from . import grace_period
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
 Boundary = Any
@@ -22,7 +23,7 @@ def stop_if_signalled(b: Boundary) -> bool:
            and time.monotonic() - b.last_save_t >= b.policy.ckpt_every_s)
     with b.collective("preemption check"):
         signum, due = agree_stop(b.ctx, b.flag, due)
-        signum, due = replica_steps.agree_stop(b, signum, due)  # every replica group alike
+        signum, due = ft_steps.agree_stop(b, signum, due)  # every replica group alike
     if signum:
         stop(b, signum)
     return due
@@ -38,11 +39,11 @@ def stop(b: Boundary, signum: int) -> None:
         b.save()
         b.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
         b.checkpointer().wait()
-        grace.note_timings(b)
+        grace_period.note_timings(b)
     took = time.monotonic() - took
     # Replica groups (strategy ft): every group has saved before anyone requeues (requeueing ends the
     # job), and one group requeues it.
-    replica_steps.agree_stop(b, signum)
+    ft_steps.agree_stop(b, signum)
     wants_requeue = (signum == signal.SIGUSR2 and b.ctx.env.requeue_command is not None
                      and (b.replica is None or b.replica.leads()))
     code = exit_code(signum)

@@ -8,9 +8,9 @@ import torch
 
 from ..dist.collectives import barrier, set_collective_timeout
 from ..errors import UserError
+from ..reliability.recipe import config_hash
+from ..reliability.sync_checks import check_agreement, shapes_digest
 from ..version import __version__
-from .recipe import config_hash
-from .sync_checks import check_agreement, shapes_digest
 from .tracking import open_trackers
 
 # The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.

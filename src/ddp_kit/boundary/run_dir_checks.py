@@ -2,24 +2,14 @@
 and where a hang or crash leaves its stacks (`hang_folder`)."""
 from __future__ import annotations
 
-import os
 import socket
-import tempfile
 from pathlib import Path
 
 from ..checkpoint.backend import scheme_of
 from ..dist import DistContext
 from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..errors import UserError
-from .run_dir import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
-
-
-def hang_folder(run_dir: str | Path | None) -> str:
-    """run_dir/hang; without a run folder a per-user folder in the temp dir, so that a hang still
-    leaves its stacks somewhere findable."""
-    if run_dir:
-        return str(RunDir(Path(run_dir)).hang)
-    return os.path.join(tempfile.gettempdir(), f"ddp_kit-hang-{os.getuid()}")
+from ..run_folder import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
 
 
 def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:

@@ -7,12 +7,12 @@ from contextlib import ExitStack
 from typing import Any
 
 from ..dist import DistContext
-from .outputs import RunWriter
-from .peer_loss import disable_crash_dump, enable_crash_dump
-from .progress import Progress
-from .run_dir import RunDir
+from ..reliability.peer_loss import disable_crash_dump, enable_crash_dump
+from ..reliability.progress import Progress
+from ..reliability.watchdog import Watchdog
+from ..run_folder import RunDir
 from .run_dir_checks import prepare_run_dir
-from .watchdog import Watchdog
+from .run_writer import RunWriter
 
 
 class RunResources:
