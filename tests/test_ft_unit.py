@@ -340,7 +340,7 @@ def _ft_run(tmp_path, commits, manager=None):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     model, loader, opt = run.prepare(model, torch.utils.data.DataLoader(data, batch_size=4), opt)
     r = replica(manager or FakeManager(commits=commits, participants=[2]))
-    ft_steps.attach(run._boundary, r)
+    run._boundary.attach(ft_steps.FtHooks(r))
     return run, model, loader, opt, r
 
 
@@ -377,7 +377,7 @@ def test_a_group_behind_after_a_split_commit_decision_is_healed_and_says_why(tmp
             if self.calls.count("start_quorum") == 4:  # join, steps 1 and 2, then step 3's quorum
                 b = runs[0]._boundary
                 self.steps = 2
-                b.replica._load_state_dict({"ddp_kit": {"objects": b.state.state_dict(), "done": 2}, "group": 1})
+                b.hooks[0].replica._load_state_dict({"ddp_kit": {"objects": b.state.state_dict(), "done": 2}, "group": 1})
 
     run, model, loader, opt, r = _ft_run(tmp_path, [True, False, True],
                                          manager=Split(commits=[True, False, True], participants=[2]))
@@ -394,7 +394,7 @@ def test_a_group_behind_after_a_split_commit_decision_is_healed_and_says_why(tmp
     assert "replica group 0 recovered live from group 1 at step 2" in out, out
     assert "it discarded or missed a step the others committed" in out, out
     assert run.steps_done == 3 and r.discarded == 1
-    assert run._boundary.replica_seen["check_next"]  # and the groups compare weights at the next stop check
+    assert run._boundary.hooks[0].check_next  # and the groups compare weights at the next stop check
     run.close()
 
 
@@ -487,7 +487,8 @@ def test_ft_is_found_by_name_and_a_plain_module_has_no_strategy():
     s = strategy("ft")
     assert s is ft.STRATEGY and isinstance(s, ft.FaultTolerant) and not s.sharded
     assert strategy_of(nn.Linear(2, 2)) is None
-    assert s.replica(nn.Linear(2, 2)) is None
+    assert ft.replica_of(nn.Linear(2, 2)) is None
+    assert s.step_hooks([nn.Linear(2, 2)], DistEnv(), []) == []  # a plain module has no quorum to join
 
 
 @pytest.mark.parametrize("options, word", [({"sync_bn": True}, "sync_bn"),

@@ -56,7 +56,6 @@ from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .errors import UserError
 from .integrations.ray import reporter as ray_reporter
-from .parallel import ft_steps
 from .parallel.fsdp import full_state_dict, is_sharded
 from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
 from .parallel.strategy import strategy as find_strategy
@@ -143,8 +142,10 @@ class Run:
             self._boundary.strategy = chosen
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
-        if models:  # strategy ft: the model's replica group member joins the step boundary
-            ft_steps.attach_models(self._boundary, chosen, [o for o in out if isinstance(o, nn.Module)])
+        if models:  # what the strategy adds at each step (strategy ft: the replica group's quorum)
+            for hook in chosen.step_hooks([o for o in out if isinstance(o, nn.Module)], self.ctx.env,
+                                          self._boundary.hooks):
+                self._boundary.attach(hook)
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):
                 self._boundary.track(o, module=self._prepared.get(o) if isinstance(o, nn.Module) else None)
@@ -258,7 +259,7 @@ class Run:
     @property
     def steps_done(self) -> int:
         """Optimizer steps done, the one whose boundary is still to run (at the next batch) included."""
-        return self._boundary.done + int(self._boundary.pending)
+        return self._boundary.steps.done + int(self._boundary.steps.pending)
 
     @property
     def memory(self) -> dict[str, int]:
@@ -282,9 +283,10 @@ class Run:
         while epoch < stop:
             yield epoch
             self._boundary.flush()
-            # Read anew under strategy ft: a replica group that recovered live during the epoch is in its
+            # Read anew where a peer's state came in during the epoch (strategy ft's live recovery): the run is in its
             # peer's epoch now. (Elsewhere a loop may iterate its loader twice per epoch of its own.)
-            epoch = max(epoch + 1, start + self.epoch) if self._boundary.replica is not None else epoch + 1
+            jumped, self._boundary.steps.jumped = self._boundary.steps.jumped, False
+            epoch = max(epoch + 1, start + self.epoch) if jumped else epoch + 1
 
     def heartbeat(self, phase: str = "eval") -> None:
         """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",
@@ -413,7 +415,7 @@ class Run:
             return
         self._closed = True
         try:
-            if not self._boundary.failed:
+            if not self._boundary.steps.failed:
                 self._boundary.finish()
         except BaseException as err:
             code = err.code if isinstance(err, SystemExit) else self._boundary.fail(err)

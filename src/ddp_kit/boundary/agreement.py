@@ -2,7 +2,8 @@
 versions, data, model shapes, config and resumed step, and then the collective timeout tightens."""
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -13,20 +14,21 @@ from ..reliability.sync_checks import check_agreement, shapes_digest
 from ..version import __version__
 from .tracking import open_trackers
 
-# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
-Boundary = Any
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 
 
 def agree(b: Boundary, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
     """Every rank holds the same versions, data, model shapes and resumed step (plus the caller's
     `facts`); else every rank stops with one line naming the rank."""
     mine = {"world_size": b.ctx.world_size, "ddp_kit": __version__, "torch": torch.__version__,
-            "resumed_step": b.done, **(facts or {})}
+            "resumed_step": b.steps.done, **(facts or {})}
     if b.config is not None:
         mine["config"] = config_hash(b.config)
         details = {**(details or {}), "config": b.config}
     for i, loader in enumerate(b.loaders):
-        mine[f"loader{i}_dataset_len"] = len(loader.dataset)
+        mine[f"loader{i}_dataset_len"] = len(cast(Sized, loader.dataset))
         mine[f"loader{i}_steps_per_epoch"] = loader.steps_per_epoch
     for i, module in enumerate(b.modules):
         mine[f"model{i}_param_shapes"] = shapes_digest(module)
@@ -58,7 +60,7 @@ def check_optimizers(b: Boundary) -> None:
 
 
 def first_step_over(b: Boundary) -> None:
-    if not b.resumed:  # run.resume checked them already
+    if not b.steps.resumed:  # run.resume checked them already
         b.check_optimizers()
     b.agree()
     # Startup is over (data ready, kernels compiled): from here a collective that takes longer
@@ -68,4 +70,4 @@ def first_step_over(b: Boundary) -> None:
     set_collective_timeout(b.ctx, b.policy.collective_timeout_s)
     b.progress.warm = True
     b.flag.started()  # from here a stop signal is agreed on and checkpointed
-    open_trackers(b, start=b.done - 1)  # a script that never called run.resume: it started at this step
+    open_trackers(b, start=b.steps.done - 1)  # a script that never called run.resume: it started at this step

@@ -17,16 +17,18 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..dist.collectives import rank0_verdict
 from ..errors import EXIT_USER_ERROR, UserError
 from .tracking import close_trackers
 
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 FILE = "attempts.jsonl"
 OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
 
-Boundary = Any  # the StepBoundary whose part this is (not imported: the parts sit below it)
 
 
 def begin(b: Boundary) -> None:
@@ -51,7 +53,7 @@ def begin(b: Boundary) -> None:
                             f"max_failed_attempts (0: no limit)")
         _append(path, {"event": "start", "t": round(time.time(), 3), "latest": latest,
                        "restart_count": env.restart_count})
-        b.attempt_started = True
+        b.steps.attempt_started = True
 
     rank0_verdict(b.ctx, check)
 
@@ -59,11 +61,11 @@ def begin(b: Boundary) -> None:
 def end(b: Boundary, code: int) -> None:
     """Record how this attempt ended (rank 0), in attempts.jsonl and to the trackers; never raises."""
     close_trackers(b, code)  # bounded, and a tracker's failure is its own warning (trackers/hub.py)
-    if b.rd is None or not b.ctx.is_main or not b.attempt_started:
+    if b.rd is None or not b.ctx.is_main or not b.steps.attempt_started:
         return  # an attempt refused at startup leaves no end: the failures before it stay in a row
     try:
         _append(b.rd.path / FILE, {"event": "end", "t": round(time.time(), 3), "exit": code,
-                                   "outcome": OUTCOMES.get(code, "failed"), "step": b.done})
+                                   "outcome": OUTCOMES.get(code, "failed"), "step": b.steps.done})
     except OSError:
         pass
 

@@ -25,7 +25,6 @@ DistContext), never the job's config.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +38,7 @@ from ..data import TrainLoader
 from ..dist import DistContext
 from ..dist.collectives import broadcast_object
 from ..errors import UserError
-from ..parallel import ft_steps
+from ..hooks import StepHooks, StepState
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy
 from ..reliability.failures import handle
@@ -79,33 +78,15 @@ class StepBoundary:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.meta: dict[str, Any] = {}
         self.strategy: Strategy = strategy(DEFAULT)  # run.prepare sets the one it wrapped the models with
-        # This rank's member of a replica group's quorum (strategy "ft"; ft_steps.py), else None.
-        self.replica: Any = None
-        self.replica_seen: dict[str, Any] = {}
+        # What strategies and services add at each step (hooks.py): strategy ft's quorum, ...
+        self.hooks: list[StepHooks] = []
+        self.steps = StepState()
         self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
         self.cuda_notes: Callable[[BaseException], list[str]] | None = None
         self.memory: dict[str, int] = {}  # this rank's parameter/gradient/optimizer bytes (fsdp.memory_bytes)
-        self.measure_grads = True  # at the next optimizer step: gradients exist only until zero_grad
-        self._not_a_step = False  # an optimizer step that is not training (see state_io)
-        self.done = 0  # optimizer steps completed (resumed ones included)
-        self.saved_step = -1
-        self.last_save_t = time.monotonic()
-        self.last_ckpt_s: float | None = None  # the last committed checkpoint's seconds to commit (grace_period.py)
-        self.grace_warned = False
-        self.exit_code = 0  # how this attempt ends: set by fail() and by a stop (attempts.py records it)
-        self.attempt_started = False  # attempts.begin recorded this attempt's start (rank 0)
-        self.resumed_from: int | None = None
-        self.resumed_path: Path | None = None
-        self.pending = False  # an optimizer stepped since the last boundary (implicit mode)
-        self.owed: tuple[bool, bool] = (False, False)  # (checkpoint, stop check) deferred past an epoch's end
-        self.resumed = False  # run.resume has run: objects registered later would never be restored
-        self.explicit = False  # the loop calls run.step() itself: optimizer hooks count nothing
-        self.stopped = False  # a stop signal was acted on: no final checkpoint at close
-        self.failed = False  # this process ends on an error: no final checkpoint at close
         self.nonfinite = NonFiniteLoss()
         self.records = MetricsRecords(ctx, policy)
         self.timer = self.records.timer
-        self._agreed = False
         self._ckpt: CheckpointBackend | None = None
         self.watchdog = Watchdog(watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
@@ -131,14 +112,14 @@ class StepBoundary:
             if self._ckpt is not None:
                 self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
                 grace_period.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
-            attempts.end(self, self.exit_code)
+            attempts.end(self, self.steps.exit_code)
         except Exception:
-            if not self.failed:  # after a failure, the failure is what gets reported
+            if not self.steps.failed:  # after a failure, the failure is what gets reported
                 raise
         finally:
             try:
-                if self.replica is not None:
-                    self.replica.shutdown()
+                for hook in self.hooks:
+                    hook.close(self)
             finally:
                 self.resources.close()
             # Let go of the model, optimizer and loaders before the process group is destroyed: a
@@ -151,50 +132,55 @@ class StepBoundary:
 
     def fail(self, err: BaseException) -> int:
         """This process ends on `err`: say what the failure policy says, return the exit code."""
-        self.failed = True
+        self.steps.failed = True
         self.ctx.failing.set()
         if self.ctx.failfast is not None:
             self.ctx.failfast.quiet()
         self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
-        self.exit_code = handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
+        self.steps.exit_code = handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
                                 hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
-        return self.exit_code
+        return self.steps.exit_code
 
     # ---- registration and the hooks that drive the implicit boundary ----------------------------------
+
+    def attach(self, hook: StepHooks) -> None:
+        """`hook` takes part in every step from now on (hooks.py)."""
+        self.hooks.append(hook)
+        hook.attach(self)
 
     def track(self, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
         """Register `obj` for checkpointing (see registration.track)."""
         registration.track(self, obj, name, module)
 
     def stepping(self, *_) -> None:
-        if self._not_a_step:
+        if self.steps.not_a_step:
             return
-        self.progress.enter("optimizer", self.done + 1)  # an error in optimizer.step() is named as being there
+        self.progress.enter("optimizer", self.steps.done + 1)  # an error in optimizer.step() is named as being there
         self.timer.mark("backward")
-        if self.measure_grads:
-            self.measure_grads = False
+        if self.steps.measure_grads:
+            self.steps.measure_grads = False
             self.memory = memory_bytes(self.models, self.optimizers)
 
     def stepped(self, *_) -> None:
-        if self._not_a_step:
+        if self.steps.not_a_step:
             return
         # The loop's own work after the optimizer step (scheduler.step(), zero_grad) is not forward/backward.
-        self.progress.enter("after step", self.done + 1)
+        self.progress.enter("after step", self.steps.done + 1)
         self.timer.mark("optimizer")
-        self.pending = not self.explicit
+        self.steps.pending = not self.steps.explicit
 
     def fetching(self) -> None:
         self.flush()
-        if self.replica is not None:
-            ft_steps.begin(self)  # this step's quorum; a group behind recovers here, before its batch
-        self.progress.enter("data", self.done + 1)
+        for hook in self.hooks:
+            hook.before_batch(self)
+        self.progress.enter("data", self.steps.done + 1)
         self.timer.mark("other")
 
     def epoch_end(self) -> None:
         # The loop's own work between epochs (eval, a per-epoch scheduler) is a slow phase, not a hang.
         self.progress.enter("between epochs")
-        if self.replica is not None:
-            self.replica.epoch_ended()
+        for hook in self.hooks:
+            hook.epoch_ended(self)
 
     def fetched(self) -> None:
         self.timer.mark("data")
@@ -204,11 +190,11 @@ class StepBoundary:
     def state_io(self):
         """torch's get_state_dict gives an optimizer without state one step at lr 0 to create its state
         (so that a checkpoint can be loaded into it): that step is not the loop's, and must not count."""
-        self._not_a_step = True
+        self.steps.not_a_step = True
         try:
             yield
         finally:
-            self._not_a_step = False
+            self.steps.not_a_step = False
 
     def named(self, kind: type) -> dict[str, Any]:
         return {n: o for n, o in self.state.objects.items() if isinstance(o, kind)}
@@ -227,17 +213,17 @@ class StepBoundary:
     # ---- the step boundary ----------------------------------------------------------------------------
 
     def step(self, loss: torch.Tensor | float | None = None, implicit: bool = False) -> int:
-        self.pending = False
-        self.explicit = self.explicit or not implicit
+        self.steps.pending = False
+        self.steps.explicit = self.steps.explicit or not implicit
         for loader in self.loaders:
             loader.commit()  # the batches this step used are consumed: the position a checkpoint keeps
-        if self.replica is not None and not ft_steps.counted(self):
-            self.progress.enter("after step", self.done + 1)
-            return self.done  # discarded by the quorum: not a step (its batches stay consumed)
-        self.done += 1
-        if self.replica is not None:
-            ft_steps.after_step(self)
-        done, p, pol = self.done, self.progress, self.policy
+        if not all([hook.counts(self) for hook in self.hooks]):  # every hook is asked
+            self.progress.enter("after step", self.steps.done + 1)
+            return self.steps.done  # discarded (strategy ft's quorum): not a step (its batches stay consumed)
+        self.steps.done += 1
+        for hook in self.hooks:
+            hook.after_step(self)
+        done, p, pol = self.steps.done, self.progress, self.policy
         self.progress.enter("after step", done)
         # Since the optimizer step: the loop's own work (local). Without a registered optimizer, all of
         # it since the forward: backward (with DDP's wait) and the optimizer.
@@ -245,13 +231,13 @@ class StepBoundary:
         self.timer.steps += 1
         if loss is not None:
             if isinstance(loss, torch.Tensor) and (loss.device.type != "cpu" or loss.numel() != 1):
-                value = loss.detach().float()  # stays on the device: folded there, read only at log events
-                self.records.add_loss(value)
-                self.nonfinite.update(value, done)
+                on_device = loss.detach().float()  # stays on the device: folded there, read only at log events
+                self.records.add_loss(on_device)
+                self.nonfinite.update(on_device, done)
             else:  # on the host a read waits for nothing: plain floats, no tensor ops per step
-                value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-                self.records.add_loss(value)
-                self.nonfinite.update_host(value, done)
+                on_host = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+                self.records.add_loss(on_host)
+                self.nonfinite.update_host(on_host, done)
         if not p.warm:
             agreement.first_step_over(self)
         save = bool(self.state and pol.ckpt_every and done % pol.ckpt_every == 0)
@@ -260,7 +246,8 @@ class StepBoundary:
             # The last step of an epoch, called from inside the loop: the loop's end-of-epoch work (a
             # per-epoch scheduler step, an eval) is still to come, and a checkpoint taken now would
             # skip it on resume. Its checkpoint and stop check run at the next batch or epoch instead.
-            self.owed = (self.owed[0] or save, self.owed[1] or check)
+            self.steps.owed_save |= save
+            self.steps.owed_check |= check
             save = check = False
         if check:
             save = stopping.stop_if_signalled(self) or save
@@ -284,11 +271,11 @@ class StepBoundary:
     def flush(self) -> None:
         """Run the boundary of an optimizer step the loop has not reached the next batch after, and
         what an epoch's last step owes (see step)."""
-        if self.pending:
+        if self.steps.pending:
             self.step(None, implicit=True)
-        save, check = self.owed
+        save, check = self.steps.owed_save, self.steps.owed_check
         if save or check:
-            self.owed = (False, False)
+            self.steps.owed_save = self.steps.owed_check = False
             if check:
                 save = stopping.stop_if_signalled(self) or save
             if save:
@@ -297,21 +284,21 @@ class StepBoundary:
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
-        if self.stopped or self.failed:
+        if self.steps.stopped or self.steps.failed:
             return
         self.flush()
-        if self.resumed_from is not None and self.done == self.resumed_from:
-            self.say(f"ddp_kit: nothing left to train: this run resumed at step {self.done} (epoch {self.epoch}), where "
+        if self.rd is not None and self.steps.resumed_from is not None and self.steps.done == self.steps.resumed_from:
+            self.say(f"ddp_kit: nothing left to train: this run resumed at step {self.steps.done} (epoch {self.epoch}), where "
                      f"it had already finished; to start afresh pass resume='never' (--resume never; the old "
                      f"checkpoints move to {self.rd.archive}/) or a new run_dir, or raise the epochs/steps to go on")
-        if self.policy.log_every and self.done > self.records.last_log[1]:
+        if self.policy.log_every and self.steps.done > self.records.last_log[1]:
             self.log()  # the last steps since the last record: the picture and the summary end where the run did
-        if self.state and self.rd is not None and not (self.stopped or self.failed):
+        if self.state and self.rd is not None and not (self.steps.stopped or self.steps.failed):
             self.save()
         # Rank 0's word: a script may write its summary on rank 0 only, and the default one is collective.
         if self.rd is not None and not broadcast_object(self.ctx, self.records.summary_written if self.ctx.is_main else None):
             self.write_summary(self.records.default_summary(self))
-        ft_steps.claim(self)  # strategy ft without a summary (no run folder): the result is recorded all the same
+        self.may_report()  # strategy ft without a summary (no run folder): the result is recorded all the same
 
     # ---- what the boundary schedules, each in its own module ------------------------------------------
 
@@ -331,8 +318,8 @@ class StepBoundary:
 
     def agree(self, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
         """Before step 1, once: see agreement.agree."""
-        if not self._agreed:
-            self._agreed = True
+        if not self.steps.agreed:
+            self.steps.agreed = True
             agreement.agree(self, facts, details)
 
     def check_optimizers(self) -> None:
@@ -351,9 +338,18 @@ class StepBoundary:
         self.records.write(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        if not ft_steps.claim(self):  # strategy ft: another group finished the job with other weights
+        if not self.may_report():  # strategy ft: another group finished the job with other weights
             return
-        self.records.write_summary({**summary, **ft_steps.summary(self)})
+        for hook in self.hooks:
+            summary = {**summary, **hook.summary(self)}
+        self.records.write_summary(summary)
+
+    def may_report(self) -> bool:
+        return all([hook.may_report(self) for hook in self.hooks])
+
+    def restart_window(self, step: int) -> None:
+        """The metrics window starts over at `step` (a peer's state was taken in)."""
+        self.records.restart_window(step)
 
     @property
     def on_log(self) -> list[Callable[[dict], None]]:

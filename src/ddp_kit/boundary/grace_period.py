@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
 
 # The stop is agreed on at the next preemption check (a few steps) before the save starts: the
 # checkpoint itself may use this share of the grace period.
 SHARE = 0.75
 _TAIL_BYTES = 256 * 1024  # the end of metrics.jsonl holds the last checkpoint's record
 
-Boundary = Any  # the StepBoundary whose part this is (not imported: the parts sit below it)
 
 
 def note_timings(b: Boundary) -> None:
@@ -30,7 +32,7 @@ def note_timings(b: Boundary) -> None:
     if ckpt is None:
         return
     for timing in ckpt.take_timings():
-        b.last_ckpt_s = timing["commit_s"]
+        b.steps.last_ckpt_s = timing["commit_s"]
         if b.ctx.is_main:
             b.write({"event": "checkpoint", **timing})
         check(b, timing["commit_s"], "the last checkpoint")
@@ -38,9 +40,9 @@ def note_timings(b: Boundary) -> None:
 
 def check(b: Boundary, seconds: float, which: str) -> None:
     grace = b.ctx.env.grace_period_s
-    if not grace or seconds <= SHARE * grace or b.grace_warned:
+    if not grace or seconds <= SHARE * grace or b.steps.grace_warned:
         return
-    b.grace_warned = True
+    b.steps.grace_warned = True
     b.say(f"ddp_kit: warning: {which} took {seconds:.1f}s to commit, more than {SHARE:.0%} of the {grace:g}s grace "
           f"period (DDP_KIT_GRACE_PERIOD_S): after a SIGTERM the SIGKILL may come before the checkpoint commits; raise "
           f"the grace period (terminationGracePeriodSeconds), or make checkpoints smaller or async (async_ckpt)")

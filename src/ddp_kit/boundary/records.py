@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +20,9 @@ from .policy import Policy
 from .run_writer import RunWriter
 from .tracking import hub_for
 
-# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
-Boundary = Any
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 
 
 class MetricsRecords:
@@ -39,7 +40,7 @@ class MetricsRecords:
         self.last_eval: dict[str, Any] = {}  # the last record logged with event "eval" (run.log_event)
         self.last_train: dict[str, Any] = {}
         self.started = time.perf_counter()
-        self._window_loss: torch.Tensor | None = None
+        self._window_loss: torch.Tensor | float | None = None
         self._window_n = 0
         self.last_log = (time.perf_counter(), 0)  # (when, at which step) the last record was made
 
@@ -54,7 +55,7 @@ class MetricsRecords:
     def log(self, b: Boundary) -> dict[str, Any]:
         """One metrics record: loss (mean over ranks and steps since the last record), lr, samples/s
         and, with rank_metrics, every rank's time split; named stragglers are warned about."""
-        ctx, done = self.ctx, b.done
+        ctx, done = self.ctx, b.steps.done
         with b.collective("log all-reduce"):
             b.nonfinite.check(ctx, b.checkpointer_if_open())
             now = time.perf_counter()
@@ -72,7 +73,7 @@ class MetricsRecords:
                 # Gradients exist between backward and zero_grad: their bytes are the ones seen at the last
                 # measured optimizer step (the optimizer's pre-hook), and measured again at the next one.
                 b.memory = {**memory_bytes(b.models, b.optimizers), "grad_bytes": b.memory.get("grad_bytes", 0)}
-                b.measure_grads = True
+                b.steps.measure_grads = True
                 ranks = gather_ranks(ctx, self.timer.window(), per_step, b.memory)
                 if ranks is not None:  # rank 0: per-rank records are per-rank by nature, so they reach it only
                     if len(ranks) <= self.policy.rank_records_max:
@@ -111,11 +112,11 @@ class MetricsRecords:
             digests = gather_object(self.ctx, digest)
             equal = None if digests is None else all(d == digest for d in digests)
         evals = {k: v for k, v in self.last_eval.items() if k not in ("event", "step", "epoch", "time")}
-        out = {"world_size": self.ctx.world_size, "steps": b.done, "epochs": b.epoch,
+        out = {"world_size": self.ctx.world_size, "steps": b.steps.done, "epochs": b.epoch,
                "train_loss": self.last_train.get("loss"), "wall_s": time.perf_counter() - self.started, **evals,
                "param_sha256": digest, "param_sha256_all_ranks_equal": equal,
                "ddp_kit": __version__, "torch": torch.__version__, "backend": self.ctx.backend,
-               "device": str(self.ctx.device), "resumed_from_step": b.resumed_from or None,
+               "device": str(self.ctx.device), "resumed_from_step": b.steps.resumed_from or None,
                "strategy": b.strategy.name, "model_state_bytes": b.memory}
         if b.config is not None:
             out["config_hash"] = config_hash(b.config)

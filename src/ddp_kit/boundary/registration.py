@@ -3,7 +3,7 @@ broadcast booked as comm), a loader's fetches (where the implicit step boundary 
 optimizer's step (counted as a step, gradients measured). Registered objects are checkpointed."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,8 +14,9 @@ from ..errors import UserError
 from ..parallel.ddp import unwrap
 from ..reliability.recipe import is_scheduler
 
-# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
-Boundary = Any
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 
 
 def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
@@ -23,7 +24,7 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
     `module`: a model's own module under its wrappers, where the caller has it."""
     if b.state.holds(obj):
         return
-    if b.resumed:
+    if b.steps.resumed:
         raise UserError(f"{type(obj).__name__} registered after run.resume(): it would never be restored "
                         f"from a checkpoint", "call run.prepare(...) and pass every object before run.resume(...)")
     if isinstance(obj, nn.Module):
@@ -44,12 +45,12 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
         b.optimizers.append(obj)
         obj.register_step_pre_hook(b.stepping)  # backward and DDP's wait end here
         obj.register_step_post_hook(b.stepped)
-        if b.replica is not None:  # strategy ft: the step runs only if the quorum commits it
-            b.replica.gate(obj)
+        for hook in b.hooks:  # strategy ft: the step runs only if the quorum commits it
+            hook.gate(obj)
         base = "optimizer"
     elif is_scheduler(obj):
-        if b.replica is not None:  # strategy ft: and the schedule follows the same decision
-            b.replica.gate_schedule(obj)
+        for hook in b.hooks:  # strategy ft: and the schedule follows the same decision
+            hook.gate(obj)
         base = type(obj).__name__.lower()
     else:
         base = type(obj).__name__.lower()

@@ -4,44 +4,45 @@ continue one lineage in the run folder (checkpoint_io.archive_lineage)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..checkpoint.checkpointer import set_rng_state
 from ..errors import UserError
-from ..parallel import ft_steps
 from ..parallel.strategy import UNRECORDED
 from ..reliability.recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 from .checkpoint_io import archive_lineage
 from .tracking import META_KEY, open_trackers
 
-# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
-Boundary = Any
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 
 
 def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
     """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
     for name, obj in objects.items():
         b.track(obj, name)
-    b.resumed = True
+    b.steps.resumed = True
     b.check_optimizers()
     ckpt = b.checkpointer()
     b.progress.enter("startup")
     # A replica group that restarts while others train (strategy ft) takes their state live instead.
-    live = b.replica is not None and ft_steps.join(b)
+    live = any([hook.restore(b) for hook in b.hooks])
     found = None if live else ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
     meta = _restore(b, ckpt, found, check) if found is not None else {}
-    if b.replica is not None and not live:
-        ft_steps.resumed_from_disk(b)
+    if not live:
+        for hook in b.hooks:
+            hook.restored_from_disk(b)
     if b.ctx.is_main and b.rd is not None and not live:  # a live recovery continues the run's own lineage
-        archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.resumed_from, b.resumed_path, b.say)
+        archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.steps.resumed_from, b.steps.resumed_path, b.say)
     if b.policy.ckpt_every == 0 and b.rd is not None:
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
               f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
-    open_trackers(b, start=b.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
-    return b.done
+    open_trackers(b, start=b.steps.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
+    return b.steps.done
 
 
 def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> dict:
@@ -68,23 +69,23 @@ def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | N
         with b.state_io():
             b.strategy.load_state_dicts(models, sharded_optimizers, ckpt.sharded_keys(found),
                                         lambda template: ckpt.load_sharded(found, template))
-    b.done = b.saved_step = int(shared["loop"]["step"])
-    b.resumed_from, b.resumed_path = b.done, found.path
-    b.records.restart_window(b.done)  # samples/s counts this process's steps only
-    b.progress.enter("startup", b.done)
+    b.steps.done = b.steps.saved = int(shared["loop"]["step"])
+    b.steps.resumed_from, b.steps.resumed_path = b.steps.done, found.path
+    b.records.restart_window(b.steps.done)  # samples/s counts this process's steps only
+    b.progress.enter("startup", b.steps.done)
     if b.ctx.world_size > 1 and b.loaders:
         for model in b.models:  # e.g. ddp.settle_ddp_buckets: bit-identical resume needs it
             b.strategy.settle(model, b.loaders[0].sample_batch(), b.ctx.device)
     if own is not None and meta.get("world_size") == b.ctx.world_size:
         set_rng_state(own["rng"])
     else:
-        torch.manual_seed(1_000_003 * b.done + b.ctx.rank)
+        torch.manual_seed(1_000_003 * b.steps.done + b.ctx.rank)
     extra = [said] if said else []
     extra += overridden(scripted, hyperparameters(b.named(torch.optim.Optimizer), scheduled))
     if meta.get("world_size") != b.ctx.world_size:
         extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {b.ctx.world_size}: "
                      f"data order continues, per-rank RNG streams are reseeded")
-    b.say(f"ddp_kit: resumed from {found.path} (step {b.done}, epoch {b.epoch})"
+    b.say(f"ddp_kit: resumed from {found.path} (step {b.steps.done}, epoch {b.epoch})"
           + ("; " + "; ".join(extra) if extra else ""))
     for note in notes:
         b.say(f"ddp_kit: warning: {note}")

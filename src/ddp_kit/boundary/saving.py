@@ -3,7 +3,7 @@ rank's RNG, the strategy's sharded state where it has one, and meta.json."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,21 +13,22 @@ from ..reliability.recipe import config_hash
 from ..version import __version__
 from . import grace_period
 
-# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
-Boundary = Any
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 
 
 def save(b: Boundary) -> None:
     """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
     b.flush()
     ckpt = b.checkpointer()
-    if not b.state or b.saved_step == b.done:
+    if not b.state or b.steps.saved == b.steps.done:
         return
     b.nonfinite.check(b.ctx, ckpt)  # never save a run whose loss went NaN/inf
     for model in b.models:  # model.pt holds rank 0's buffers: from here every rank has those too
         sync_ddp_buffers(model)
     models, optimizers = b.sharded()
-    shared = {**b.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": b.done}}
+    shared = {**b.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": b.steps.done}}
     with b.state_io():
         sharded = b.strategy.state_dicts(models, optimizers)
     meta = {"ddp_kit": __version__, "torch": torch.__version__, "strategy": b.strategy.name, **b.meta}
@@ -37,8 +38,8 @@ def save(b: Boundary) -> None:
         meta.update(epoch=b.loaders[0].epoch, position=b.loaders[0].position)
     phase = b.progress.phase
     b.progress.enter("checkpoint")
-    ckpt.save(b.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
+    ckpt.save(b.steps.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
     b.progress.enter(phase)
-    b.saved_step = b.done
-    b.last_save_t = time.monotonic()
+    b.steps.saved = b.steps.done
+    b.steps.last_save_t = time.monotonic()
     grace_period.note_timings(b)  # this save's time if it committed already, else the previous one's

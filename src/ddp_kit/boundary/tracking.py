@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..trackers.base import Opening
 from ..trackers.hub import Hub, Ledger
 from ..version import __version__
 
-# The StepBoundary (boundary.py) whose part this is; not imported, so that the parts sit below it.
-Boundary = Any
+if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
+    from .core import StepBoundary as Boundary
+
 META_KEY = "trackers"  # in a checkpoint's meta.json: {tracker: {"run_id": ..., "logged_step": ...}}
 
 
@@ -48,7 +49,7 @@ def open_trackers(b: Boundary, start: int, saved: dict | None = None) -> None:
         (dest / path.name).write_text(json.dumps(here, indent=1, sort_keys=True) + "\n")
         here = {}
     env = b.ctx.env
-    same_job = b.resumed_from is not None or env.restart_count > 0 or env.restarted_by_engine or start > 0
+    same_job = b.steps.resumed_from is not None or env.restart_count > 0 or env.restarted_by_engine or start > 0
     entries, openings, floors, facts = dict(here), {}, {}, _facts(b)
     for name in hub.names:
         run_id, floor = lineage(name, saved if isinstance(saved, dict) else {}, here,
@@ -86,7 +87,7 @@ def close_trackers(b: Boundary, exit_code: int) -> None:
     hub: Hub = b.records.trackers
     if not hub.opened and hub.has_pending:
         try:
-            open_trackers(b, start=b.done)
+            open_trackers(b, start=b.steps.done)
         except Exception as err:  # the attempt is ending: its exit code is what matters now
             hub.say(f"ddp_kit: warning: the trackers could not be opened ({type(err).__name__}: {err})")
     hub.close(exit_code)

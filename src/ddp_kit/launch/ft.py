@@ -41,7 +41,7 @@ from pathlib import Path
 from ..errors import UserError
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
-RESULTS = "DDP_KIT_FT_RESULTS"  # the results folder, read by each group (parallel/ft.py, ft_steps.claim)
+RESULTS = "DDP_KIT_FT_RESULTS"  # the results folder, read by each group (parallel/ft.py, FtHooks.may_report)
 JOIN = "DDP_KIT_FT_JOIN_TIMEOUT_S"  # the lighthouse's join timeout, named to a group that was left out of a quorum
 # Marks the processes of one start of one group: torchrun puts its workers in sessions of their own, so
 # a killed torchrun's workers are found by this mark, not by process group.
@@ -102,7 +102,7 @@ def join_timeout(join_timeout_ms: int | None, environ: Mapping[str, str] = os.en
 
 def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: int) -> list[str]:
     """torchft's lighthouse for one job. min_replicas 1: a quorum forms with whatever groups are alive
-    (a fresh start waits for all of them in ddp_kit itself, parallel/ft_steps.join). The
+    (a fresh start waits for all of them in ddp_kit itself, parallel/ft_steps.py, FtHooks.restore). The
     heartbeat timeout is how long the survivors pause when a group dies without a word; the join
     timeout how long a quorum waits for a group that heartbeats but has not asked yet (join_timeout)."""
     return [lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}",
@@ -366,7 +366,7 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
 
 
 def result_line(results: Path, groups: list[int]) -> str:
-    """Which groups hold the job's result: those that recorded it when they finished (ft_steps.claim)."""
+    """Which groups hold the job's result: those that recorded it when they finished (FtHooks.may_report)."""
     held: dict[int, int] = {}
     for path in results.glob("group*.json"):
         try:

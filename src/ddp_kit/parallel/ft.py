@@ -22,7 +22,7 @@ that failed in one group and not in another), and are then one step apart. That 
 unseen: the next quorum they share compares their step counts and heals the one behind live from
 one ahead (torchft's max_step rule), which ft_steps reports as a recovery and follows with a
 weights check; and at the end of the job a group claims the result only with the weights of the
-group that finished first (ft_steps.claim).
+group that finished first (FtHooks.may_report).
 
 DDP's buckets are never rebuilt (find_unused_parameters), as torchft requires: a group that
 restarts must lay its gradients out as the running ones do. Tested with torchft-nightly
@@ -98,7 +98,7 @@ class Replica:
     participants: int = 0  # replica groups in the current quorum
     discarded: int = 0  # steps this group ran and threw away (total)
     quorum_s: float = 0.0  # seconds spent forming quorums since the last take_window
-    pause_s: float = 0.0  # seconds the steps waited beyond the usual since the last take (ft_steps.counted)
+    pause_s: float = 0.0  # seconds the steps waited beyond the usual since the last take (FtHooks.counts)
     recoveries: list[dict] = field(default_factory=list)  # live recoveries of this group: step, seconds, source
     events: list[dict] = field(default_factory=list)  # for metrics.jsonl, taken by the boundary
     gated: list[Any] = field(default_factory=list)  # the optimizers whose step waits for the commit decision
@@ -406,8 +406,9 @@ class FaultTolerant(Strategy):
     def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
         return {"ddp": {"bucket_cap_mb": values["bucket_cap_mb"]}}
 
-    def replica(self, model: nn.Module) -> Replica | None:
-        return replica_of(model)
+    def step_hooks(self, models: list[Any], env: Any, attached: list[Any]) -> list[Any]:
+        from .ft_steps import step_hooks  # torchft's quorum at the step boundary
+        return step_hooks([r for r in map(replica_of, models) if r is not None], attached)
 
 
 def replica_of(model: nn.Module) -> Replica | None:

@@ -74,9 +74,16 @@ class Strategy:
         """After a resume, before the first step: whatever the wrapper must redo to continue exactly
         as the uninterrupted run (DDP: its rebuilt gradient buckets)."""
 
-    def replica(self, model: Any) -> Any | None:
-        """The replica-group member of a fault-tolerant strategy's model (ft.Replica); None elsewhere."""
-        return None
+    def step_hooks(self, models: list[Any], env: Any, attached: list[Any]) -> list[Any]:
+        """What this strategy adds at the step boundary (hooks.StepHooks) for the `models` it just
+        prepared, given the hooks `attached` already. A strategy that nothing averages across replica
+        groups refuses a process that is one replica group of several."""
+        if env.replica_groups > 1 and not any(getattr(h, "across_groups", False) for h in attached):
+            raise UserError(f"this process is replica group {env.replica_group} of {env.replica_groups}, and its model "
+                            f"was prepared with strategy {self.name}, which nothing averages across the groups: each "
+                            f"would train a model of its own on 1/{env.replica_groups} of the data",
+                            "pass strategy='ft' to run.prepare (--strategy ft), or launch without python -m ddp_kit.launch ft")
+        return []
 
 
 def strategy(name: str) -> Strategy:
