@@ -25,10 +25,11 @@ DistContext), never the job's config.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -250,7 +251,7 @@ class StepBoundary:
             self.steps.owed_check |= check
             save = check = False
         if check:
-            save = stopping.stop_if_signalled(self) or save
+            save = self._stop_check() or save
         if pol.sync_check_every and done % pol.sync_check_every == 0:
             with self.collective("sync check"):
                 self.nonfinite.check(self.ctx, self._ckpt)  # NaN weights would read as divergence
@@ -261,7 +262,7 @@ class StepBoundary:
                         self.say(f"ddp_kit: warning: {warning}")
         if save:
             self.save()
-            stopping.stop_if_signalled(self)  # a signal that came during the save is acted on now
+            self._stop_check()  # a signal that came during the save is acted on now
         if pol.log_every and done % pol.log_every == 0:
             self.log()
         if p.phase != "after step":  # back from a check's own phase (its time is not the loop's)
@@ -277,10 +278,10 @@ class StepBoundary:
         if save or check:
             self.steps.owed_save = self.steps.owed_check = False
             if check:
-                save = stopping.stop_if_signalled(self) or save
+                save = self._stop_check() or save
             if save:
                 self.save()
-                stopping.stop_if_signalled(self)
+                self._stop_check()
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
@@ -326,10 +327,31 @@ class StepBoundary:
         agreement.check_optimizers(self)
 
     def save(self) -> None:
-        saving.save(self)
+        """Checkpoint everything registered at this step (collective; at once if this step is saved)."""
+        self.flush()
+        ckpt = self.checkpointer()
+        if self.state and self.steps.saved != self.steps.done:
+            saving.save(self, ckpt)
 
-    def stop(self, signum: int) -> None:
-        stopping.stop(self, signum)
+    def _stop_check(self) -> bool:
+        """Act on a stop signal any rank has seen (this never returns then); whether a timed checkpoint is due."""
+        signum, due = stopping.signalled(self)
+        if signum:
+            self.stop(signum)
+        return due
+
+    def stop(self, signum: int) -> NoReturn:
+        """Checkpoint, requeue where the launcher can, and exit 75 (130 for Ctrl-C), all ranks together."""
+        if self.policy.log_every and self.steps.done > self.records.last_log[1]:
+            self.log()  # the steps since the last record, as at a clean end: the resume starts after them
+        saved = bool(self.state) and self.rd is not None
+        took = time.monotonic()
+        if saved:
+            self.save()
+            self.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
+            self.checkpointer().wait()
+            grace_period.note_timings(self)
+        stopping.leave(self, signum, saved, time.monotonic() - took)
 
     def log(self) -> dict[str, Any]:
         return self.records.log(self)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..checkpoint.backend import CheckpointBackend
 from ..checkpoint.checkpointer import rng_state
 from ..parallel.ddp import sync_ddp_buffers
 from ..reliability.recipe import config_hash
@@ -18,12 +19,9 @@ if TYPE_CHECKING:  # the core imports its parts; they name it for the type check
 
 
 
-def save(b: Boundary) -> None:
-    """Checkpoint everything registered at this step (collective; returns at once if already saved)."""
-    b.flush()
-    ckpt = b.checkpointer()
-    if not b.state or b.steps.saved == b.steps.done:
-        return
+def save(b: Boundary, ckpt: CheckpointBackend) -> None:
+    """Checkpoint everything registered at this step into `ckpt` (collective). Called by the core
+    only, once the boundary owed by the last step has run."""
     b.nonfinite.check(b.ctx, ckpt)  # never save a run whose loss went NaN/inf
     for model in b.models:  # model.pt holds rank 0's buffers: from here every rank has those too
         sync_ddp_buffers(model)

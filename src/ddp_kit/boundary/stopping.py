@@ -5,43 +5,31 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ..dist.collectives import barrier
 from ..reliability.preemption import agree_stop, exit_code, requeue
-from . import grace_period
 
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
     from .core import StepBoundary as Boundary
 
 
 
-def stop_if_signalled(b: Boundary) -> bool:
-    """The ranks agree on any stop signal so far (acted on: this never returns) and on whether a
-    timed checkpoint is due (returned)."""
+def signalled(b: Boundary) -> tuple[int, bool]:
+    """The ranks agree on any stop signal so far and on whether a timed checkpoint is due (rank 0's
+    clock): (the signal to stop on, 0 for none; due). Collective, every preempt_check_every steps."""
     due = (b.ctx.is_main and bool(b.state) and b.policy.ckpt_every_s > 0 and b.rd is not None
            and time.monotonic() - b.steps.last_save_t >= b.policy.ckpt_every_s)
     with b.collective("preemption check"):
         signum, due = agree_stop(b.ctx, b.flag, due)
         for hook in b.hooks:  # strategy ft: every replica group alike
             signum, due = hook.agree_stop(b, signum, due)
-    if signum:
-        stop(b, signum)
-    return due
+    return signum, due
 
 
-def stop(b: Boundary, signum: int) -> None:
-    """Checkpoint, requeue under SLURM (USR2), and exit 75 (130 for Ctrl-C), all ranks together."""
-    if b.policy.log_every and b.steps.done > b.records.last_log[1]:
-        b.log()  # the steps since the last record, as at a clean end: the resume starts after them
-    saved = bool(b.state) and b.rd is not None
-    took = time.monotonic()
-    if saved:
-        b.save()
-        b.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
-        b.checkpointer().wait()
-        grace_period.note_timings(b)
-    took = time.monotonic() - took
+def leave(b: Boundary, signum: int, saved: bool, took: float) -> NoReturn:
+    """After the core's checkpoint (`saved`, in `took` seconds): requeue where the launcher can, and
+    exit 75 (130 for Ctrl-C), all ranks together."""
     # Replica groups (strategy ft): every group has saved before anyone requeues (requeueing ends the
     # job), and one group requeues it.
     for hook in b.hooks:
