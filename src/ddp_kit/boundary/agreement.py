@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the core imports its parts; they name it for the type check
 
 
 
-def agree(b: Boundary, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
+def agree(b: Boundary, facts: dict[str, Any] | None = None, details: dict[str, dict[str, Any]] | None = None) -> None:
     """Every rank holds the same versions, data, model shapes and resumed step (plus the caller's
     `facts`); else every rank stops with one line naming the rank."""
     mine = {"world_size": b.ctx.world_size, "ddp_kit": __version__, "torch": torch.__version__,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..dist.collectives import rank0_verdict
 from ..errors import EXIT_USER_ERROR, UserError
@@ -70,16 +70,16 @@ def end(b: Boundary, code: int) -> None:
         pass
 
 
-def failed_in_a_row(records: list[dict], latest: int | None) -> list[dict]:
+def failed_in_a_row(records: list[dict[str, Any]], latest: int | None) -> list[dict[str, Any]]:
     """The trailing attempts that failed or were killed and committed no checkpoint: for each, its
     end record (or its start record, when it was killed). `latest`: the newest committed step now."""
-    attempts: list[tuple[dict, dict | None]] = []
+    attempts: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
     for r in records:
         if r.get("event") == "start":
             attempts.append((r, None))
         elif r.get("event") == "end" and attempts and attempts[-1][1] is None:
             attempts[-1] = (attempts[-1][0], r)
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     after = latest  # the newest checkpoint when the attempt after this one started
     for start, finish in reversed(attempts):
         failed = finish is None or finish.get("outcome") == "failed"
@@ -90,7 +90,7 @@ def failed_in_a_row(records: list[dict], latest: int | None) -> list[dict]:
     return out[::-1]
 
 
-def read(path: Path) -> list[dict]:
+def read(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -104,7 +104,7 @@ def read(path: Path) -> list[dict]:
     return out
 
 
-def _append(path: Path, record: dict) -> None:
+def _append(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -26,7 +26,7 @@ DistContext), never the job's config.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -54,6 +54,7 @@ from .checkpoint_io import open_checkpointer
 from .lifecycle import RunResources, watch_store
 from .policy import Policy
 from .records import MetricsRecords
+from .run_writer import RunWriter
 from .train_state import TrainState
 
 
@@ -105,7 +106,7 @@ class StepBoundary:
         return self
 
     @property
-    def writer(self):
+    def writer(self) -> RunWriter | None:
         return self.resources.writer
 
     def close(self) -> None:
@@ -153,7 +154,7 @@ class StepBoundary:
         """Register `obj` for checkpointing (see registration.track)."""
         registration.track(self, obj, name, module)
 
-    def stepping(self, *_) -> None:
+    def stepping(self, *_: object) -> None:
         if self.steps.not_a_step:
             return
         self.progress.enter("optimizer", self.steps.done + 1)  # an error in optimizer.step() is named as being there
@@ -162,7 +163,7 @@ class StepBoundary:
             self.steps.measure_grads = False
             self.memory = memory_bytes(self.models, self.optimizers)
 
-    def stepped(self, *_) -> None:
+    def stepped(self, *_: object) -> None:
         if self.steps.not_a_step:
             return
         # The loop's own work after the optimizer step (scheduler.step(), zero_grad) is not forward/backward.
@@ -188,7 +189,7 @@ class StepBoundary:
         self.progress.enter("forward/backward")
 
     @contextmanager
-    def state_io(self):
+    def state_io(self) -> Iterator[None]:
         """torch's get_state_dict gives an optimizer without state one step at lr 0 to create its state
         (so that a checkpoint can be loaded into it): that step is not the loop's, and must not count."""
         self.steps.not_a_step = True
@@ -314,10 +315,10 @@ class StepBoundary:
     def checkpointer_if_open(self) -> CheckpointBackend | None:
         return self._ckpt
 
-    def resume(self, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
+    def resume(self, objects: dict[str, Any], check: Callable[[dict[str, Any]], str | None] | None = None) -> int:
         return resume.resume(self, objects, check)
 
-    def agree(self, facts: dict[str, Any] | None = None, details: dict[str, dict] | None = None) -> None:
+    def agree(self, facts: dict[str, Any] | None = None, details: dict[str, dict[str, Any]] | None = None) -> None:
         """Before step 1, once: see agreement.agree."""
         if not self.steps.agreed:
             self.steps.agreed = True
@@ -374,14 +375,14 @@ class StepBoundary:
         self.records.restart_window(step)
 
     @property
-    def on_log(self) -> list[Callable[[dict], None]]:
+    def on_log(self) -> list[Callable[[dict[str, Any]], None]]:
         return self.records.on_log
 
     def heartbeat(self, phase: str) -> None:
         self.progress.enter(phase)
 
     @contextmanager
-    def collective(self, phase: str):
+    def collective(self, phase: str) -> Iterator[None]:
         """A block that waits for the other ranks: announced to the watchdog, and timed as "comm" so
         that this rank's own-work figure (and so the straggler check) leaves the wait out."""
         self.progress.enter(phase)

@@ -2,7 +2,7 @@
 made to agree before the first batch, so that an eval sees (and a checkpoint saves) one model."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -19,10 +19,10 @@ class EvalLoader:
     checkpoint saves, the same on every rank, and its forwards start no collective (a rank with an
     empty shard may call none). Else the same loader. Every rank iterates it, empty shard or not."""
 
-    def __init__(self, loader: DataLoader, beat: Callable[[], None], models: list[nn.Module]):
+    def __init__(self, loader: DataLoader[Any], beat: Callable[[], None], models: list[nn.Module]):
         self._loader, self._beat, self._models = loader, beat, models
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         if in_main_only():
             raise UserError("run.eval_loader was iterated inside main_only(): it holds only this rank's share of the "
                             "data, and making it agree on the model's buffers needs every rank",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..errors import EXIT_USER_ERROR, UserError, report_user_error
@@ -24,16 +25,19 @@ class Failures:
         self.previous = sys.excepthook
         sys.excepthook = self
 
-    def __call__(self, kind, err, tb) -> None:
+    def __call__(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
         if not self.active:
-            return self.previous(kind, err, tb)
+            self.previous(kind, err, tb)
+            return
         if self.boundary is None and isinstance(self.previous, Failures) and self.previous.boundary is not None:
-            return self.previous(kind, err, tb)  # a Run is open (a second ddp_kit.init): its policy decides
+            self.previous(kind, err, tb)  # a Run is open (a second ddp_kit.init): its policy decides
+            return
         if self.boundary is not None:
             # SystemExit from an excepthook sets the exit code; atexit (teardown, no final save) still runs.
             sys.exit(self.boundary.fail(err))
         if not isinstance(err, UserError):
-            return self.previous(kind, err, tb)
+            self.previous(kind, err, tb)
+            return
         report_user_error(err, self.rank)
         if self.rank != 0 and not err.local:
             time.sleep(1.0)  # rank 0 prints it; torchrun stops all ranks once one exits, so give rank 0 a moment

@@ -54,6 +54,6 @@ def watch_store(ctx: DistContext) -> Any:
     session, perhaps in a debugger) gets none."""
     if ctx.world_size > 1:
         return ctx.store_client()
-    import torch.distributed as tdist
+    from torch.distributed import HashStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
-    return tdist.HashStore() if ctx.env.launched else None
+    return HashStore() if ctx.env.launched else None

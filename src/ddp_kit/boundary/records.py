@@ -33,7 +33,7 @@ class MetricsRecords:
         gpu_spans = ctx.device.type == "cuda" and policy.rank_metrics and policy.log_every > 0
         self.timer = StepTimer(gpu=GpuSpans() if gpu_spans else None)
         self.stragglers = StragglerWatch(policy.straggler_margin)
-        self.on_log: list[Callable[[dict], None]] = []
+        self.on_log: list[Callable[[dict[str, Any]], None]] = []
         self.writer: RunWriter | None = None  # set once the run folder is open (lifecycle)
         self.trackers = hub_for(ctx, policy.trackers)  # every record goes to them too (tracking.py opens them)
         self.summary_written = False  # the script (or the reference job) wrote summary.json itself

@@ -63,11 +63,11 @@ def _time_ddp_forward(b: Boundary, ddp: DDP) -> None:
     eval) marks nothing."""
     inside = [False]
 
-    def entering(*_):
+    def entering(*_: object) -> None:
         b.timer.mark("other")
         inside[0] = True
 
-    def inner_start(*_):
+    def inner_start(*_: object) -> None:
         if inside[0]:
             inside[0] = False
             b.timer.mark("comm", gpu="forward start")

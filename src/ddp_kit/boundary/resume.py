@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the core imports its parts; they name it for the type check
 
 
 
-def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | None] | None = None) -> int:
+def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]], str | None] | None = None) -> int:
     """Register `objects`, then continue from the checkpoint `policy.resume` names (if any)."""
     for name, obj in objects.items():
         b.track(obj, name)
@@ -35,7 +35,7 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
     if not live:
         for hook in b.hooks:
             hook.restored_from_disk(b)
-    if b.ctx.is_main and b.rd is not None and not live:  # a live recovery continues the run's own lineage
+    if b.ctx.is_main and b.rd is not None and b.writer is not None and not live:  # a live recovery continues the run's own lineage
         archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.steps.resumed_from, b.steps.resumed_path, b.say)
     if b.policy.ckpt_every == 0 and b.rd is not None:
         every = b.policy.ckpt_every_s
@@ -45,9 +45,11 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict], str | N
     return b.steps.done
 
 
-def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict], str | None] | None) -> dict:
+def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict[str, Any]], str | None] | None) -> dict[str, Any]:
     """Load `found` into every registered object; returns its meta."""
-    shared, own, meta = ckpt.load(found)
+    loaded = ckpt.load(found)
+    shared, own = loaded[0], loaded[1]
+    meta: dict[str, Any] = loaded[2]
     if check is None and b.config is not None:  # a script's own config: the reference job's rules
         config = b.config
         check = lambda m: refuse_changed(m.get("config") or {}, config, m["path"],

@@ -40,7 +40,7 @@ def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
             remove_token(shared, token)
         if not everyone:
             gathered = gather_object(ctx, None if sees else (ctx.rank, socket.gethostname()))
-            blind = broadcast_object(ctx, [g for g in gathered if g] if ctx.is_main else None)
+            blind = broadcast_object(ctx, [g for g in gathered or [] if g] if ctx.is_main else None)
             r, host = blind[0]
             more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
             what = "run_dir" if rd.ckpt_dir is None else "ckpt_dir"

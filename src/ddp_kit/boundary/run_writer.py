@@ -35,7 +35,8 @@ class RunWriter:
         if not self.is_main or not self.rd.metrics.exists():
             return
         lines = self.rd.metrics.read_text().splitlines(keepends=True)
-        keep, gone = [], []
+        keep: list[str] = []
+        gone: list[str] = []
         for ln in lines:
             (keep if after_step is not None and _step_of(ln) <= after_step else gone).append(ln)
         summary = self.rd.summary
@@ -48,7 +49,8 @@ class RunWriter:
                 f.writelines(gone)
         if summary.exists():  # it described the run that ended; a new one will be written
             os.replace(summary, dest / summary.name)
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
         atomic_write_text(self.rd.metrics, "".join(keep))
         self._metrics = open(self.rd.metrics, "a", buffering=1)
 

@@ -35,7 +35,7 @@ def hub_for(ctx: Any, names: tuple[str, ...]) -> Hub:
     return Hub(names, active=ctx.is_main and ctx.env.replica_group == 0)
 
 
-def open_trackers(b: Boundary, start: int, saved: dict | None = None) -> None:
+def open_trackers(b: Boundary, start: int, saved: dict[str, Any] | None = None) -> None:
     """Open the trackers (once): this attempt trains from step `start`; `saved` is the resumed
     checkpoint's meta entry (None: no checkpoint was read)."""
     hub: Hub = b.records.trackers
@@ -43,7 +43,7 @@ def open_trackers(b: Boundary, start: int, saved: dict | None = None) -> None:
         return
     path = b.rd.trackers if b.rd is not None else None
     here = Ledger.read(path)
-    if b.policy.resume == "never" and here:  # the abandoned tracker runs' ids go where its metrics went
+    if b.policy.resume == "never" and here and b.rd is not None and path is not None:  # the abandoned tracker runs' ids go where its metrics went
         dest = b.rd.archive / time.strftime("%Y%m%dT%H%M%S")
         dest.mkdir(parents=True, exist_ok=True)
         (dest / path.name).write_text(json.dumps(here, indent=1, sort_keys=True) + "\n")
@@ -65,7 +65,7 @@ def open_trackers(b: Boundary, start: int, saved: dict | None = None) -> None:
     hub.open(openings, floors, ledger)
 
 
-def lineage(name: str, saved: dict, here: dict, fresh: bool, same_job: bool) -> tuple[str | None, int | None]:
+def lineage(name: str, saved: dict[str, Any], here: dict[str, Any], fresh: bool, same_job: bool) -> tuple[str | None, int | None]:
     """(the tracker run to continue or None for a new one, the last step sent to it) for tracker
     `name`, from the resumed checkpoint's entries (`saved`) and the run folder's (`here`)."""
     if fresh:

@@ -22,7 +22,7 @@ def _stateful(obj: Any) -> bool:
 class TrainState:
     """Named stateful objects, in registration order."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
         self._own: dict[str, Any] = {}  # what is saved and loaded: a model unwrapped (once, when added)
 

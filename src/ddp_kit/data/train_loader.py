@@ -10,6 +10,7 @@ process's RNG, which checkpoints save; with workers see workers.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset, Sampler, default_collate
@@ -222,7 +223,7 @@ class TrainLoader:
         if self.position >= self.steps_per_epoch * self.global_batch:
             self.epoch, self.position = self.epoch + 1, 0
 
-    def sample_batch(self):
+    def sample_batch(self) -> Any:
         """The first micro-batch of the dataset, collated as the loader does (a model's input example)."""
         return self._loader.collate_fn([self.dataset[i] for i in range(self.micro_batch)])
 

@@ -21,7 +21,7 @@ _NONE = 2**62
 
 
 class NonFiniteLoss:
-    def __init__(self):
+    def __init__(self) -> None:
         self.first: torch.Tensor | None = None  # int64 scalar on the loss's device; _NONE while all finite
         self.first_host = _NONE  # the same for losses read on the host (CPU training: no device to wait for)
 

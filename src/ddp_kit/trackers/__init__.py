@@ -12,8 +12,12 @@ import difflib
 import importlib
 import importlib.util
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from .base import Tracker
 
 TRACKERS: dict[str, str] = {
     "tensorboard": "ddp_kit.trackers.tensorboard",
@@ -24,7 +28,7 @@ NAMES: tuple[str, ...] = tuple(TRACKERS)
 __all__ = ["NAMES", "TRACKERS", "check_installed", "parse", "tracker_class"]
 
 
-def tracker_class(name: str) -> type:
+def tracker_class(name: str) -> type[Tracker]:
     """The Tracker subclass called `name` (its tool is not imported)."""
     return importlib.import_module(TRACKERS[name]).TRACKER
 
