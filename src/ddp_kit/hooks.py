@@ -5,8 +5,9 @@ A hook set subclasses `StepHooks` and overrides what it needs; every method's de
 and decides nothing. The boundary (ddp_kit.boundary.core) calls every attached set, in the order
 they were attached, at these points:
 
-    attach(b)                   when it joins the boundary (objects registered before it included: see gate)
-    gate(obj)                   each optimizer or LR scheduler registered, before or after attach
+    attach(b)                   when it joins the boundary
+    gate(obj, scheduler)        each optimizer (scheduler=False) or LR scheduler registered, also those
+                                registered before the hook was attached
     restore(b) -> bool          at run.resume, before a checkpoint is read: True = the state came from
                                 elsewhere (a peer), no checkpoint is read
     restored_from_disk(b)       after run.resume read a checkpoint or found none (not after restore=True)
@@ -26,6 +27,7 @@ the boundary is `Boundary`, a Protocol, not the class.
 """
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +40,10 @@ if TYPE_CHECKING:
 
     from .data import TrainLoader
     from .dist import DistContext
-    from .reliability.progress import Progress
+
+# The stop signals, from the least demanding to the most: ranks (or replica groups) that saw different
+# signals stop on the one that asks for the most, a preemption warning (requeue) over a plain stop over Ctrl-C.
+STOP_PRIORITY = (0, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
 @dataclass
@@ -66,6 +71,13 @@ class StepState:
     jumped: bool = False  # a peer's state replaced this run's mid-epoch (run.epochs reads the loader's epoch anew)
 
 
+class Phases(Protocol):
+    """Where this rank is, as the watchdog sees it (reliability/progress.Progress)."""
+    phase: str
+
+    def enter(self, phase: str, step: int | None = None) -> None: ...
+
+
 class Registered(Protocol):
     """The registered objects (boundary/train_state.TrainState)."""
     objects: dict[str, Any]
@@ -79,7 +91,9 @@ class Boundary(Protocol):
     """What a hook may use of the step boundary."""
     ctx: DistContext
     steps: StepState
-    progress: Progress
+
+    @property
+    def progress(self) -> Phases: ...
 
     @property
     def state(self) -> Registered: ...
@@ -107,7 +121,7 @@ class StepHooks:
     def attach(self, b: Boundary) -> None:
         pass
 
-    def gate(self, obj: object) -> None:
+    def gate(self, obj: object, scheduler: bool) -> None:
         pass
 
     def restore(self, b: Boundary) -> bool:

@@ -46,6 +46,7 @@ from ..reliability.failures import handle
 from ..reliability.numerics import NonFiniteLoss
 from ..reliability.preemption import PreemptFlag
 from ..reliability.progress import Progress
+from ..reliability.recipe import is_scheduler
 from ..reliability.sync_checks import check_consistency, optimizer_steps
 from ..reliability.watchdog import Watchdog
 from ..run_folder import RunDir, hang_folder
@@ -149,6 +150,9 @@ class StepBoundary:
         """`hook` takes part in every step from now on (hooks.py)."""
         self.hooks.append(hook)
         hook.attach(self)
+        for obj in self.state.objects.values():  # registered before the hook came (run.resume before run.prepare)
+            if isinstance(obj, torch.optim.Optimizer) or is_scheduler(obj):
+                hook.gate(obj, scheduler=is_scheduler(obj))
 
     def track(self, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
         """Register `obj` for checkpointing (see registration.track)."""

@@ -11,10 +11,10 @@ import torch
 
 from ..dist import DistContext
 from ..dist.collectives import all_reduce_sum, gather_object
+from ..parallel.digest import param_sha256
 from ..parallel.fsdp import memory_bytes
 from ..reliability.metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
 from ..reliability.recipe import config_hash
-from ..reliability.sync_checks import param_sha256
 from ..version import __version__
 from .policy import Policy
 from .run_writer import RunWriter

@@ -46,11 +46,11 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
         obj.register_step_pre_hook(b.stepping)  # backward and DDP's wait end here
         obj.register_step_post_hook(b.stepped)
         for hook in b.hooks:  # strategy ft: the step runs only if the quorum commits it
-            hook.gate(obj)
+            hook.gate(obj, scheduler=False)
         base = "optimizer"
     elif is_scheduler(obj):
         for hook in b.hooks:  # strategy ft: and the schedule follows the same decision
-            hook.gate(obj)
+            hook.gate(obj, scheduler=True)
         base = type(obj).__name__.lower()
     else:
         base = type(obj).__name__.lower()

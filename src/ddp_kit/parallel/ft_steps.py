@@ -32,10 +32,8 @@ import torch
 
 from ..dist.collectives import broadcast_object
 from ..errors import UserError
-from ..hooks import Boundary, StepHooks
-from ..reliability.preemption import PRIORITY
-from ..reliability.recipe import is_scheduler
-from ..reliability.sync_checks import checksums, param_sha256
+from ..hooks import STOP_PRIORITY, Boundary, StepHooks
+from .digest import checksums, param_sha256
 
 if TYPE_CHECKING:
     from .ft import Replica
@@ -82,18 +80,13 @@ class FtHooks(StepHooks):
         replica.load_fn = lambda state: self._take_live_state(b, state)
         replica.on_discard = lambda: setattr(b.steps, "pending", not b.steps.explicit)  # the boundary still ends the step
         b.on_log.append(lambda record: record.update(self._window()))
-        for optimizer in b.optimizers:  # registered before the model was prepared
-            self.gate(optimizer)
-        for obj in b.state.objects.values():  # and the schedules over them
-            if is_scheduler(obj):
-                self.gate(obj)
 
-    def gate(self, obj: object) -> None:
+    def gate(self, obj: object, scheduler: bool) -> None:
         """The optimizer steps only if the quorum commits; a schedule follows the same decision."""
-        if isinstance(obj, torch.optim.Optimizer):
-            self.replica.gate(obj)
-        elif is_scheduler(obj):
+        if scheduler:
             self.replica.gate_schedule(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.replica.gate(obj)
 
     def _take_live_state(self, b: Boundary, state: dict[str, Any]) -> None:
         notes = b.state.load_state_dict(state["objects"], "a peer replica group's live state")
@@ -246,11 +239,11 @@ class FtHooks(StepHooks):
         live since the last one: then every group compares weights. All of it is collective across the
         groups of the quorum, at steps every group reaches: symmetric by design. (At a stop it is asked
         once more after the save: every group has saved before anyone requeues, which ends the job.)"""
-        prio, recovered, due_any = self.replica.agree_max(PRIORITY.index(signum), int(self.check_next), int(due))
+        prio, recovered, due_any = self.replica.agree_max(STOP_PRIORITY.index(signum), int(self.check_next), int(due))
         self.check_next = False
         if recovered:
             self._check_weights(b)
-        return PRIORITY[prio], bool(due_any)
+        return STOP_PRIORITY[prio], bool(due_any)
 
     def may_requeue(self, b: Boundary) -> bool:
         return bool(self.replica.leads())  # one group requeues the job

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from ..dist import DistContext
+from ..hooks import STOP_PRIORITY
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -114,9 +115,7 @@ class PreemptFlag:
             self._wakeup = None
 
 
-# When ranks received different signals, the one that asks for the most wins: a preemption warning
-# (requeue) over a plain stop over Ctrl-C.
-PRIORITY = (0, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+PRIORITY = STOP_PRIORITY  # when ranks received different signals, the one that asks for the most wins
 
 
 def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple[int, bool]:
