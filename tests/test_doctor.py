@@ -11,6 +11,7 @@ from ddp_kit.doctor.checks import (
     OK,
     SKIP,
     WARN,
+    allocated_gpus,
     bf16,
     cuda_availability,
     diagnose,
@@ -24,10 +25,10 @@ from ddp_kit.doctor.checks import (
     mig,
     nccl,
     shm,
-    slurm_gpus,
     versions,
     visible_devices,
 )
+from ddp_kit.doctor.facts import allocation, layout
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_mb": 81559.0, "memory_used_mb": 4.0, "capability": "9.0"}
 GOOD = {
@@ -148,11 +149,23 @@ def test_local_rank_beyond_visible_gpus():
 
 
 def test_slurm_gpus_disagree_with_visible():
-    f = broken(**{"env": {"SLURM_JOB_ID": "1", "SLURM_GPUS_ON_NODE": "4"}, "torch.device_count": 8})
-    assert slurm_gpus(f).status == WARN
-    f = broken(**{"env": {"SLURM_JOB_ID": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_STEP_ID": "0"}})
-    r = slurm_gpus(f)
+    """The allocation comes from the detected environment (env/slurm.py), not from the doctor's own reading."""
+    f = broken(**{"allocation": allocation({"SLURM_JOB_ID": "1", "SLURM_GPUS_ON_NODE": "4"}), "torch.device_count": 8})
+    r = allocated_gpus(f)
+    assert r.status == WARN and r.name == "SLURM GPU allocation" and "SLURM allocated 4 GPU(s)" in r.message
+    f = broken(**{"allocation": allocation({"SLURM_JOB_ID": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "4",
+                                            "SLURM_STEP_ID": "0"})})
+    r = allocated_gpus(f)
     assert r.status == WARN and "ntasks-per-node" in r.fix
+    # GPUs listed by id where the count is not given; a batch script (no step) is not held to one task per GPU
+    f = broken(**{"allocation": allocation({"SLURM_JOB_ID": "1", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7",
+                                            "SLURM_NTASKS_PER_NODE": "1"})})
+    assert allocated_gpus(f).status == OK
+    # outside a scheduler, and with a refused launcher variable (the allocation is still reported)
+    r = allocated_gpus(broken(**{"allocation": allocation({})}))
+    assert (r.status, r.name, r.message) == (SKIP, "SLURM GPU allocation", "not in a SLURM job with GPUs")
+    refused = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "8", "SLURM_GPUS_ON_NODE": "4"}  # 8 tasks, no srun
+    assert layout(refused)["error"] and allocated_gpus(broken(**{"allocation": allocation(refused)})).status == WARN
 
 
 def test_bf16_on_pre_ampere():

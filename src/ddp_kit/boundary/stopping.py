@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from ..dist.collectives import barrier
-from ..reliability.preemption import agree_stop, exit_code, requeue
+from ..reliability.preemption import agree_stop, exit_code, requeue, requeues
 
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
     from .core import StepBoundary as Boundary
@@ -34,8 +34,7 @@ def leave(b: Boundary, signum: int, saved: bool, took: float) -> NoReturn:
     # job), and one group requeues it.
     for hook in b.hooks:
         hook.agree_stop(b, signum, False)
-    wants_requeue = (signum == signal.SIGUSR2 and b.ctx.env.requeue_command is not None
-                     and all([hook.may_requeue(b) for hook in b.hooks]))
+    wants_requeue = requeues(signum, b.ctx.env) and all([hook.may_requeue(b) for hook in b.hooks])
     code = exit_code(signum)
     if b.ctx.is_main:
         # Printed before the requeue: SLURM ends this job the moment it requeues it.

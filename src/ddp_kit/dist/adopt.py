@@ -5,11 +5,15 @@ The group's own numbers are the truth (rank, world size, backend); the environme
 group does not know (local rank, node, launcher facts). ddp_kit's store traffic (fail-fast,
 watchdog heartbeats, the checkpoint commit) goes to the group's own TCPStore under a prefix of its
 own, through connections of its own; the group itself is left to whoever made it, at exit too.
+group.py runs one path for both kinds of group; what differs for an adopted one is here.
 """
 from __future__ import annotations
 
+import gc
+import sys
 from dataclasses import replace
 
+import torch
 import torch.distributed as tdist
 
 from ..env import DistEnv
@@ -32,6 +36,45 @@ def forget_ours() -> None:
 def ours() -> bool:
     """True when the current default group was created by ddp_kit."""
     return tdist.is_initialized() and id(tdist.group.WORLD) in _OURS
+
+
+def adopt(env: DistEnv) -> DistEnv:
+    """`env` as the existing default group has it (group_env); ddp_kit's own group is refused: a
+    second ddp_kit.init() or distributed() is a mistake, not an adoption."""
+    if ours():
+        raise UserError("ddp_kit's process group already exists (a second ddp_kit.init() or distributed())",
+                        "call ddp_kit.init() once and pass the Run it returns around")
+    return group_env(env)
+
+
+def group_backend(asked: str, dev: torch.device) -> str:
+    """The existing group's backend; a device it cannot serve is one line."""
+    be = tdist.get_backend()
+    if be == "nccl" and dev.type != "cuda":
+        raise UserError("the existing process group is NCCL but this process has no CUDA device",
+                        "create the group with backend gloo on CPU, or give the process a GPU", local=True)
+    if asked != be and asked != "gloo":  # gloo is what auto picks on CPU: no word for that
+        print(f"ddp_kit: warning: the existing process group uses {be}; backend {asked} does not apply",
+              file=sys.stderr, flush=True)
+    return be
+
+
+def say_joined(env: DistEnv, be: str) -> None:
+    if env.rank == 0:
+        engine = getattr(env, "engine", None)
+        print(f"ddp_kit: joined the existing process group ({be}, {env.world_size} rank(s)"
+              f"{', ' + engine if engine else ''}); it stays its creator's to destroy", file=sys.stderr, flush=True)
+
+
+def leave(control, failed: bool) -> None:
+    """The teardown of an adopted group: ddp_kit's side group only (after a failure not even that:
+    destroying waits for work a failed collective never finishes); the group stays its owner's."""
+    gc.collect()  # DDP's reducer goes before the group does (see group.teardown)
+    if control is not None and not failed and tdist.is_initialized():
+        try:
+            tdist.destroy_process_group(control)
+        except Exception as exc:
+            print(f"ddp_kit: warning: destroying ddp_kit's side group failed: {exc}", file=sys.stderr)
 
 
 def group_env(env: DistEnv) -> DistEnv:

@@ -111,7 +111,7 @@ def rank0_verdict(ctx: DistContext, check) -> Any:
     kind, value = broadcast_object(ctx, out)
     if kind == "error":
         message, hint, rank, host = value
-        err = UserError(message, hint, rank=rank, verdict=True)
-        err.host = host
-        raise err
+        verdict = UserError(message, hint, rank=rank, verdict=True)
+        verdict.host = host
+        raise verdict
     return value

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as tdist
 from torch.torch_version import TorchVersion
 
-from .adopt import forget_ours, group_env, mark_ours, ours
+from .adopt import adopt, forget_ours, group_backend, leave, mark_ours, say_joined
 from ..env import DistEnv, check_gpus, detect
 from ..errors import EXIT_USER_ERROR, UserError
 from .failfast import LINGER_S, FailFast, announce, post, store_prefix
@@ -197,129 +197,140 @@ def distributed(env: DistEnv | None = None, backend: str = "auto", device: str =
     its side group and its store traffic, and leaves the group itself to its owner at exit.
     """
     env = detect() if env is None else env
+    _say_notes(env)
+    owned = not tdist.is_initialized()  # else Ray Train, a framework or the user's own script made it
+    env = env if owned else adopt(env)
+    dev = choose_device(env, device, bound=not owned)
+    be = _backend(env, dev, backend, device, owned)
+    check_layout(env, dev)
+    timeout_s = _startup_budget(env, timeout_s, owned)
+    _prepare_process(env, dev, be, dump_dir)
+    with _group(env, dev, be, timeout_s, side_group, fail_fast, owned) as ctx:
+        yield ctx
+
+
+def _say_notes(env: DistEnv) -> None:
     if env.rank == 0:
         for note in env.notes:  # what detection wants said once (e.g. an interactive srun shell)
             print(f"ddp_kit: warning: {note}", file=sys.stderr, flush=True)
-    adopting = tdist.is_initialized()
-    if adopting:  # Ray Train, a framework, or the user's own init_process_group made it (adopt.py)
-        if ours():
-            raise UserError("ddp_kit's process group already exists (a second ddp_kit.init() or distributed())",
-                            "call ddp_kit.init() once and pass the Run it returns around")
-        env = group_env(env)
-    dev = choose_device(env, device, bound=adopting)
+
+
+def _backend(env: DistEnv, dev: torch.device, backend: str, device: str, owned: bool) -> str:
+    """The backend asked for (auto: by the device); an adopted group's own backend stands."""
     # A scheduler's per-task binding shows each task only its own GPU: cuda:0 is then not shared
     own_gpu = env.scheduler_binds_gpus and dev.type == "cuda" and torch.cuda.device_count() == 1
     be = choose_backend(dev, backend, shared_gpu=device.startswith("cuda:") and env.local_world_size > 1 and not own_gpu)
-    if adopting:
-        be = _adopted_backend(be, dev)
-    check_layout(env, dev)
-    timeout = timedelta(seconds=timeout_s)
-    if not (adopting or env.rendezvous_by_launcher):
-        # The master's name and store may appear seconds after this process (a Kubernetes pod's DNS
-        # record): wait for them, quietly and bounded, out of the same startup budget.
-        timeout_s = max(1.0, timeout_s - wait_for_master(env, timeout_s, connects=not hosts_store(env)))
-        timeout = timedelta(seconds=timeout_s)
+    return be if owned else group_backend(be, dev)
+
+
+def _startup_budget(env: DistEnv, timeout_s: float, owned: bool) -> float:
+    """The rendezvous timeout left once the master answers. Its name and store may appear seconds
+    after this process (a Kubernetes pod's DNS record): wait for them, quietly and bounded, out of
+    the same budget, unless the group's members (or the launcher's agents) met already."""
+    if not owned or env.rendezvous_by_launcher:
+        return timeout_s
+    return max(1.0, timeout_s - wait_for_master(env, timeout_s, connects=not hosts_store(env)))
+
+
+def _prepare_process(env: DistEnv, dev: torch.device, be: str, dump_dir: str | None) -> None:
     if be == "nccl":
         nccl_defaults(dump_dir)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # before init, so NCCL never touches GPU 0 from every rank
     apply_cpu_settings(env, dev)
-    if adopting:
-        with _adopted(env, dev, be, timeout, side_group, fail_fast) as ctx:
-            yield ctx
-        return
-    # Every rendezvous wait is bounded: a client connected to a foreign program on the port (or
-    # waiting for a rank that never comes) would otherwise wait with no end and no word.
-    deadline = threading.Timer(timeout_s, _rendezvous_timed_out, args=(env, timeout_s))
-    deadline.daemon = True
-    deadline.start()
-    store = failfast = None
-    try:
-        store = _make_store(env, timeout)
-        if fail_fast:
-            failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
-                                linger_s=LINGER_S if hosts_store(env) else 0.0).start()
-        kwargs: dict[str, Any] = {}
-        if dev.type == "cuda":
-            kwargs["device_id"] = dev
-        tdist.init_process_group(be, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
-        mark_ours()
-        side = (be == "nccl") if side_group is None else side_group
-        control = tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
-    except UserError:
-        raise
-    except Exception as exc:  # rendezvous failures are user-fixable far more often than not
-        err = UserError(
-            f"could not join the process group at {env.master_addr}:{env.master_port} as rank {env.rank}/{env.world_size}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-            "check that every rank can reach MASTER_ADDR:MASTER_PORT, or run `python -m ddp_kit.doctor`",
-            rank=env.rank)
-        if failfast:
-            failfast.quiet()
-        if fail_fast:  # the others' fail-fast threads read why, and stop
-            post(store, env.rank, 0, "startup", err)
-            err.posted = True  # the CLI need not announce it again
-            if hosts_store(env):
-                time.sleep(LINGER_S)  # keep the store up until the others have read why
-        raise err from exc
-    finally:
-        deadline.cancel()
-    ctx = DistContext(env=env, device=dev, backend=be, store=store if env.world_size > 1 else None,
-                      timeout_s=timeout_s, failfast=failfast, control_group=control)
-    failed = True
-    try:
-        yield ctx
-        failed = False
-    finally:
-        if failfast:
-            failfast.stop()
-        teardown(abort=(failed or ctx.failing.is_set()) and be == "nccl")
-
-
-def _adopted_backend(asked: str, dev: torch.device) -> str:
-    """The existing group's backend; a device it cannot serve is one line."""
-    be = tdist.get_backend()
-    if be == "nccl" and dev.type != "cuda":
-        raise UserError("the existing process group is NCCL but this process has no CUDA device",
-                        "create the group with backend gloo on CPU, or give the process a GPU", local=True)
-    if asked != be and asked != "gloo":  # gloo is what auto picks on CPU: no word for that
-        print(f"ddp_kit: warning: the existing process group uses {be}; backend {asked} does not apply",
-              file=sys.stderr, flush=True)
-    return be
 
 
 @contextmanager
-def _adopted(env: DistEnv, dev: torch.device, be: str, timeout: timedelta, side_group: bool | None,
-             fail_fast: bool) -> Iterator[DistContext]:
-    """The context over a default group someone else created: ddp_kit's store under its own prefix
-    (a connection of its own to the group's TCPStore), its gloo side group, and no teardown of the
-    group itself (its owner destroys it)."""
-    timeout_s = timeout.total_seconds()
-    store = client_store(env, timeout_s)
-    failfast = None
-    if fail_fast and env.world_size > 1:
-        failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
-                            linger_s=LINGER_S if hosts_store(env) else 0.0).start()
-    side = (be == "nccl") if side_group is None else side_group
-    control = tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
-    ctx = DistContext(env=env, device=dev, backend=be, store=store, timeout_s=timeout_s, failfast=failfast,
-                      control_group=control)
-    if env.rank == 0:
-        engine = getattr(env, "engine", None)
-        print(f"ddp_kit: joined the existing process group ({be}, {env.world_size} rank(s)"
-              f"{', ' + engine if engine else ''}); it stays its creator's to destroy", file=sys.stderr, flush=True)
+def _group(env: DistEnv, dev: torch.device, be: str, timeout_s: float, side_group: bool | None,
+           fail_fast: bool, owned: bool) -> Iterator[DistContext]:
+    """One path for a default group made here (`owned`) or adopted: ddp_kit's store, fail-fast and
+    side group beside it, the context, and the teardown its owner flag decides: a group made here is
+    destroyed (aborted after an NCCL failure); an adopted one is left to its creator (adopt.leave)."""
+    timeout = timedelta(seconds=timeout_s)
+    with _rendezvous(env, timeout_s, fail_fast, owned) as joining:
+        # Made here: the group's own store. Adopted: a connection of ddp_kit's own to the group's store.
+        joining.store = _make_store(env, timeout) if owned else client_store(env, timeout_s)
+        if fail_fast:
+            joining.failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
+                                        linger_s=LINGER_S if hosts_store(env) else 0.0).start()
+        if owned:
+            _init_process_group(env, dev, be, joining.store, timeout)
+        control = _side_group(env, be, timeout, side_group)
+    ctx = DistContext(env=env, device=dev, backend=be, store=joining.store if env.world_size > 1 else None,
+                      timeout_s=timeout_s, failfast=joining.failfast, control_group=control)
+    if not owned:
+        say_joined(env, be)
     failed = True
     try:
         yield ctx
         failed = False
     finally:
-        if failfast:
-            failfast.stop()
-        gc.collect()  # DDP's reducer goes before the group does (see teardown)
-        if control is not None and not failed and tdist.is_initialized():
-            try:
-                tdist.destroy_process_group(control)
-            except Exception as exc:
-                print(f"ddp_kit: warning: destroying ddp_kit's side group failed: {exc}", file=sys.stderr)
+        if ctx.failfast:
+            ctx.failfast.stop()
+        if owned:
+            teardown(abort=(failed or ctx.failing.is_set()) and be == "nccl")
+        else:
+            leave(control, failed)
+
+
+@dataclass
+class _Joining:
+    """What a rendezvous made so far: its failure is posted to the store, and fail-fast quieted."""
+
+    store: Any = None
+    failfast: FailFast | None = None
+
+
+@contextmanager
+def _rendezvous(env: DistEnv, timeout_s: float, fail_fast: bool, owned: bool) -> Iterator[_Joining]:
+    """Bound a rendezvous made here and turn its failure into one line (posted for the others with
+    `fail_fast`). Every wait is bounded: a client connected to a foreign program on the port (or
+    waiting for a rank that never comes) would otherwise wait with no end and no word. An adopted
+    group's members met already: nothing to bound."""
+    joining = _Joining()
+    if not owned:
+        yield joining
+        return
+    deadline = threading.Timer(timeout_s, _rendezvous_timed_out, args=(env, timeout_s))
+    deadline.daemon = True
+    deadline.start()
+    try:
+        yield joining
+    except UserError:
+        raise
+    except Exception as exc:  # rendezvous failures are user-fixable far more often than not
+        raise _join_failed(env, exc, joining, fail_fast) from exc
+    finally:
+        deadline.cancel()
+
+
+def _init_process_group(env: DistEnv, dev: torch.device, be: str, store: tdist.Store, timeout: timedelta) -> None:
+    kwargs: dict[str, Any] = {}
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev
+    tdist.init_process_group(be, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    mark_ours()
+
+
+def _side_group(env: DistEnv, be: str, timeout: timedelta, side_group: bool | None) -> Any:
+    """ddp_kit's CPU (gloo) group for its control collectives, or None (the default group serves)."""
+    side = (be == "nccl") if side_group is None else side_group
+    return tdist.new_group(backend="gloo", timeout=timeout) if side and env.world_size > 1 else None
+
+
+def _join_failed(env: DistEnv, exc: Exception, joining: _Joining, fail_fast: bool) -> UserError:
+    err = UserError(
+        f"could not join the process group at {env.master_addr}:{env.master_port} as rank {env.rank}/{env.world_size}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        "check that every rank can reach MASTER_ADDR:MASTER_PORT, or run `python -m ddp_kit.doctor`",
+        rank=env.rank)
+    if joining.failfast:
+        joining.failfast.quiet()
+    if fail_fast:  # the others' fail-fast threads read why, and stop
+        post(joining.store, env.rank, 0, "startup", err)
+        err.posted = True  # the CLI need not announce it again
+        if hosts_store(env):
+            time.sleep(LINGER_S)  # keep the store up until the others have read why
+    return err
 
 
 def _rendezvous_timed_out(env: DistEnv, timeout_s: float) -> None:

@@ -171,19 +171,23 @@ def local_rank_fits(f: dict) -> Finding:
     return Finding(name, OK, f"local rank {lay['local_rank']} of {lay['local_world_size']} on {n} GPU(s)")
 
 
-def slurm_gpus(f: dict) -> Finding:
-    name = "SLURM GPU allocation"
-    env = f["env"]
-    alloc = env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS")
-    if not env.get("SLURM_JOB_ID") or not alloc:
-        return Finding(name, SKIP, "not in a SLURM job with GPUs")
-    count = int(alloc) if alloc.isdigit() and "SLURM_GPUS_ON_NODE" in env else len(alloc.split(","))
+def allocated_gpus(f: dict) -> Finding:
+    """The GPUs and tasks per node the batch scheduler allocated (facts.allocation, from the detected
+    environment) against the GPUs this process sees."""
+    alloc = f.get("allocation") or {}
+    who = alloc.get("scheduler") or "SLURM"  # outside any scheduler the line keeps the name it always had
+    name = f"{who} GPU allocation"
+    count = alloc.get("gpus_on_node")
+    if count is None and alloc.get("gpu_ids"):
+        count = len(alloc["gpu_ids"])
+    if not alloc.get("scheduler") or count is None:
+        return Finding(name, SKIP, f"not in a {who} job with GPUs")
     visible = _visible_count(f)
     if visible is not None and visible != count:
-        return Finding(name, WARN, f"SLURM allocated {count} GPU(s) on this node but {visible} are visible",
+        return Finding(name, WARN, f"{who} allocated {count} GPU(s) on this node but {visible} are visible",
                        "request GPUs with --gpus-per-node and do not override CUDA_VISIBLE_DEVICES inside the job")
-    tasks = env.get("SLURM_NTASKS_PER_NODE")
-    if tasks and tasks.isdigit() and env.get("SLURM_STEP_ID") and int(tasks) != count:
+    tasks = alloc.get("tasks_per_node")
+    if tasks is not None and tasks != count:
         return Finding(name, WARN, f"{tasks} tasks per node but {count} GPUs per node",
                        "with one task per GPU (srun layout) set --ntasks-per-node equal to --gpus-per-node")
     return Finding(name, OK, f"{count} GPU(s) allocated and visible")
@@ -328,7 +332,7 @@ def layout_ok(f: dict) -> Finding:
 
 
 CHECKS: tuple[Callable[..., Finding], ...] = (cuda_availability, driver_version, visible_devices, gpu_arch, nccl,
-                                              local_rank_fits, slurm_gpus, shm, master, gpu_memory_taken, mig, versions,
+                                              local_rank_fits, allocated_gpus, shm, master, gpu_memory_taken, mig, versions,
                                               limits, layout_ok)
 
 

@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..env import shown_variables
+
 ENV_PREFIXES = ("NCCL_", "MASTER_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_")
-ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID",
-            "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE",
-            "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_PROCID")
+# torch's own variables, then what each launcher's and scheduler's file says is worth showing
+ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", *shown_variables())
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
@@ -130,6 +131,22 @@ def layout(environ) -> dict[str, Any]:
         return {"error": err.line()}
 
 
+def allocation(environ) -> dict[str, Any]:
+    """What the batch scheduler around this process allocated on this node, as the detected
+    environment says it (also when the launcher's variables are refused); {} outside any."""
+    from ..env import allocation as around
+    from ..errors import UserError
+
+    try:
+        env = around(environ)
+    except UserError:  # a refused variable of its own: the layout check says which
+        return {}
+    if env.scheduler is None:
+        return {}
+    return {"scheduler": env.scheduler, "gpus_on_node": env.gpus_on_node, "gpu_ids": list(env.gpu_ids),
+            "tasks_per_node": env.tasks_per_node}
+
+
 def master_reachability(addr: str | None, port: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"addr": addr, "port": port, "resolves": None, "local": None, "port_in_use": None}
     if not addr:
@@ -190,6 +207,7 @@ def gather(run_dir: str = ".", environ=None, probe_gpus: bool = True) -> dict[st
         "nvidia_device_files": sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*")),
         "env": {k: v for k, v in environ.items() if k in ENV_KEYS or k.startswith(ENV_PREFIXES)},
         "layout": lay,
+        "allocation": allocation(environ),
         "master": master,
         "shm_bytes": shm,
         "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],

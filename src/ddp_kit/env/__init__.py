@@ -6,7 +6,11 @@ facts of the scheduler allocation around it. It never writes the environment and
 torch, so the doctor and the launch helpers can use it cheaply.
 
 One file per launcher, each with `NAME` and a pure `detect(environ) -> DistEnv | None` (None: not
-this launcher), and optionally `check_gpus(env, visible, environ)` for its own GPU layout rules.
+this launcher), and optionally `check_gpus(env, visible, environ)` for its own GPU layout rules and
+`SHOWN`, the variables of its own that the doctor's summary shows. `environ` is a `Facts` (facts.py):
+the environment as a Mapping, plus this host's name and the files a scheduler names, read only when
+a launcher asks (`facts_of(environ).read_file(...)`); a plain dict still works for every launcher
+that reads only variables.
 A new launcher is a new file plus one line in `LAUNCHERS`; nothing outside this package compares
 `DistEnv.launcher` or `DistEnv.engine` to a name: the rest asks DistEnv's neutral facts. An engine's
 file (a Kubernetes operator, Ray Train) is a launcher when the engine itself gave the ranks, and an
@@ -20,6 +24,7 @@ from collections.abc import Mapping
 
 from . import env_vars, grace, kubeflow_trainer, pod, pytorchjob, ray_train, replicas, single, slurm, torchrun, volcano
 from .base import DistEnv, check_place
+from .facts import Facts, facts_of
 from .polling import STORE_OPS_PER_S, poll_period
 from .slurm import expand_nodelist, requeue_target, slurm_port
 
@@ -45,18 +50,35 @@ SCHEDULERS = (slurm, kubeflow_trainer, volcano, pytorchjob, pod, grace, replicas
 
 _BY_NAME = {launcher.NAME: launcher for launcher in LAUNCHERS}
 
-__all__ = ["DistEnv", "LAUNCHERS", "STORE_OPS_PER_S", "check_gpus", "detect", "expand_nodelist", "poll_period",
-           "requeue_target", "slurm_port"]
+__all__ = ["DistEnv", "Facts", "LAUNCHERS", "STORE_OPS_PER_S", "allocation", "check_gpus", "detect", "expand_nodelist",
+           "facts_of", "poll_period", "requeue_target", "shown_variables", "slurm_port"]
 
 
 def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Return this process's DistEnv from `environ` (default os.environ)."""
-    environ = os.environ if environ is None else environ
-    env = next(found for found in (launcher.detect(environ) for launcher in LAUNCHERS) if found is not None)
+    """Return this process's DistEnv from `environ` (default os.environ; a `Facts` to give the host
+    name and the scheduler's files as well, e.g. fakes in a test)."""
+    facts = facts_of(environ)
+    env = next(found for found in (launcher.detect(facts) for launcher in LAUNCHERS) if found is not None)
     check_place(env)
+    return _around(env, facts)
+
+
+def allocation(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """What the schedulers around this process say (job, GPUs and tasks on the node, requeue, ...)
+    over a plain process's place: for the doctor, which reports the allocation also when detect()
+    refuses the launcher's variables."""
+    return _around(DistEnv(), facts_of(environ))
+
+
+def _around(env: DistEnv, facts: Facts) -> DistEnv:
     for scheduler in SCHEDULERS:
-        env = scheduler.around(env, environ)
+        env = scheduler.around(env, facts)
     return env
+
+
+def shown_variables() -> tuple[str, ...]:
+    """The launchers' and schedulers' own variables worth showing in a report (each file's SHOWN)."""
+    return tuple(dict.fromkeys(key for module in (*LAUNCHERS, *SCHEDULERS) for key in getattr(module, "SHOWN", ())))
 
 
 def check_gpus(env: DistEnv, visible: int, environ: Mapping[str, str] | None = None) -> list[str]:

@@ -7,6 +7,7 @@ name only (the startup line, the doctor).
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,19 @@ class DistEnv:
     requeue_id: str | None = None  # what `scontrol requeue` takes for this job: ARRAYID_TASKID for an array task
     cpus_on_node: int | None = None  # CPUs the scheduler allocated on this node (None: not said)
     gpus_on_node: int | None = None  # GPUs the scheduler allocated on this node (None: not said)
+    # ---- the batch scheduler around whatever started the ranks, set by its `around` step ----
+    # A display name ("SLURM"; the doctor says it), None outside any batch scheduler.
+    scheduler: str | None = None
+    # The ids of the GPUs the scheduler allocated to this job or step on this node, where it lists
+    # them instead of (or as well as) counting them in gpus_on_node.
+    gpu_ids: tuple[str, ...] = ()
+    # The tasks per node the job asked its scheduler for, inside one of its steps (srun
+    # --ntasks-per-node): one task per GPU means as many as the node's GPUs. None: not said.
+    tasks_per_node: int | None = None
+    # The signal the scheduler sends ahead of a preemption or the time limit, asking for a checkpoint
+    # and a requeue (requeue_command); SLURM's templates ask for USR2 (NCCL may swallow USR1). Any other
+    # stop signal checkpoints and exits without a requeue.
+    preempt_signal: signal.Signals = signal.SIGTERM
     # ---- neutral facts, set by the launcher's detect() (the defaults: a plain process) ----
     # Each rank is a task the scheduler may bind to a GPU of its own (srun --gpu-bind): a task that
     # sees exactly one GPU then owns it, rather than sharing it with the node's other ranks.

@@ -7,6 +7,7 @@ ranks (torchrun inside a batch job too): the job id, how to requeue it, the node
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -14,6 +15,9 @@ from ..errors import UserError
 from .base import DistEnv, count_var, int_var
 
 NAME = "slurm"
+# What the doctor's summary shows of a SLURM job.
+SHOWN = ("SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_NODE",
+         "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_PROCID")
 
 
 def detect(environ: Mapping[str, str]) -> DistEnv | None:
@@ -65,10 +69,17 @@ def around(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
     """`env` plus what the SLURM allocation around this process says (unchanged outside a SLURM job)."""
     job_id = environ.get("SLURM_JOB_ID")
     target = requeue_target(environ)
-    return replace(env, job_id=env.job_id or job_id, batch_job_id=job_id, requeue_id=target,
-                   requeue_command=("scontrol", "requeue", target) if target else None,
-                   cpus_on_node=count_var(environ, "SLURM_CPUS_ON_NODE"),
-                   gpus_on_node=count_var(environ, "SLURM_GPUS_ON_NODE"))
+    env = replace(env, job_id=env.job_id or job_id, batch_job_id=job_id, requeue_id=target,
+                  requeue_command=("scontrol", "requeue", target) if target else None,
+                  # the templates' --signal=USR2@120: the warning that asks for the requeue
+                  preempt_signal=signal.SIGUSR2 if target else env.preempt_signal,
+                  cpus_on_node=count_var(environ, "SLURM_CPUS_ON_NODE"),
+                  gpus_on_node=count_var(environ, "SLURM_GPUS_ON_NODE"))
+    if not job_id:
+        return env
+    listed = environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS")
+    return replace(env, scheduler="SLURM", gpu_ids=tuple(listed.split(",")) if listed else (),
+                   tasks_per_node=count_var(environ, "SLURM_NTASKS_PER_NODE") if environ.get("SLURM_STEP_ID") else None)
 
 
 def check_gpus(env: DistEnv, visible: int, environ: Mapping[str, str]) -> list[str]:

@@ -1,9 +1,11 @@
 """Preemption and Ctrl-C: a stop signal becomes "finish this step, checkpoint, (requeue,) exit".
 
-SLURM sends USR2 ahead of the time limit when a template asks (`--signal=USR2@120`; NCCL may
-swallow USR1); outside SLURM, SIGTERM does the same minus the requeue. Ctrl-C (SIGINT) does the
-same and exits 130; a second Ctrl-C (a second or more after the first, since torchrun forwards the
-terminal's own SIGINT once more) exits at once. The handler only sets a flag. The ranks all-reduce
+The environment names its own preemption warning (`DistEnv.preempt_signal`: USR2 in a SLURM job,
+whose templates ask for it ahead of the time limit, `--signal=USR2@120`; SIGTERM elsewhere) and its
+requeue command; that signal checkpoints, requeues and exits (`requeues`), any other stop signal
+does the same minus the requeue. Ctrl-C (SIGINT) does the same and exits 130; a second Ctrl-C (a
+second or more after the first, since torchrun forwards the terminal's own SIGINT once more) exits
+at once. The handler only sets a flag. The ranks all-reduce
 it at step boundaries, so they all stop after the same step.
 
 Before step 1 there is nothing worth saving, and the main thread may sit in a rendezvous or a C++
@@ -24,11 +26,12 @@ import torch
 import torch.distributed as tdist
 
 from ..dist import DistContext
+from ..env import DistEnv
 from ..hooks import STOP_PRIORITY
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)  # every DistEnv.preempt_signal among them
 SAME_PRESS_S = 1.0  # SIGINTs closer than this are one Ctrl-C (the terminal's and torchrun's copy)
 
 
@@ -127,6 +130,11 @@ def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=ctx.control_group)
     prio, any_also = t.tolist()
     return int(PRIORITY[prio]), bool(any_also)
+
+
+def requeues(signum: int, env: DistEnv) -> bool:
+    """True when `signum` is the environment's preemption warning and its scheduler can requeue the job."""
+    return signum == env.preempt_signal and env.requeue_command is not None
 
 
 def requeue(command: tuple[str, ...] | None) -> str:
