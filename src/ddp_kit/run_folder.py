@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .checkpoint.layout import RUN_CHECKPOINTS
 from .errors import UserError
@@ -82,7 +83,7 @@ def check_writable(path: Path, what: str = "run_dir") -> None:
     except OSError as exc:
         why = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable (permission denied)",
                errno.ENOTDIR: "is under a regular file, not a folder", errno.ENOSPC: "is on a full disk",
-               errno.EEXIST: "exists and is not a folder"}.get(exc.errno, f"cannot be written ({exc.strerror})")
+               errno.EEXIST: "exists and is not a folder"}.get(exc.errno or 0, f"cannot be written ({exc.strerror})")
         raise UserError(f"{what} {str(path)!r} {why}", f"pass a writable folder as {what}", local=True) from None
 
 
@@ -136,11 +137,12 @@ class RunLock:
             self._fd = None
 
 
-def _read_holder(path: Path) -> dict:
+def _read_holder(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text() or "{}")
+        holder = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
         return {}
+    return holder if isinstance(holder, dict) else {}
 
 
 def new_token() -> str:
