@@ -105,3 +105,23 @@ def test_every_face_declares_what_it_exports():
     used = {module for path in TRAIN.rglob("*.py") for _, module, _ in _imports(path)} & FACES
     silent = sorted(m for m in used - {"ddp_kit", "ddp_kit.api", "ddp_kit.errors"} if _public(m) is None)
     assert not silent, f"faces without __all__: {', '.join(silent)}"
+
+
+def _room(module: str) -> str:
+    """The package a module belongs to (ddp_kit.checkpoint for ddp_kit.checkpoint.store), or the module
+    itself for one directly under ddp_kit (ddp_kit.hooks)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 and (PKG / parts[1]).is_dir() else module
+
+
+def test_no_two_packages_import_each_other():
+    """Imports for the type checker count too: a cycle drawn only under TYPE_CHECKING is still one."""
+    arrows: dict[tuple[str, str], str] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        here = _room(_module_of(path))
+        for line, module, _ in _imports(path):
+            there = _room(module)
+            if module.split(".")[0] == "ddp_kit" and there not in (here, "ddp_kit"):
+                arrows.setdefault((here, there), f"{path.relative_to(SRC)}:{line}")
+    both = [f"{a} <-> {b} ({arrows[(a, b)]}, {arrows[(b, a)]})" for (a, b) in arrows if (b, a) in arrows and a < b]
+    assert not both, "packages that import each other:\n" + "\n".join(both)
