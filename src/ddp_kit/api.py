@@ -21,10 +21,8 @@ is one line and exit 2; another exception is printed once, by the rank that rais
 other ranks stop within seconds, naming it.
 
 This module is the face only: `init`, `Run` (every method a script calls, which is why it is long:
-each is a few lines that hand over to the module doing the work) and `Resumed`. The rest lives in
-modules named for it: the step boundary (boundary/core.py), option checks (run_options.py),
-a loader's sampling (data/resample.py), the eval loader (boundary/eval_pass.py), the excepthook
-(boundary/excepthook.py), the strategies (parallel/).
+each is a few lines that hand over to the module doing the work) and `Resumed`; README's Layout says
+where the work lives.
 """
 from __future__ import annotations
 
@@ -58,8 +56,8 @@ from .errors import UserError
 from .integrations.ray import reporter as ray_reporter
 from .parallel.fsdp import full_state_dict, is_sharded
 from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
+from .parallel.strategy import option_keywords, strategy_of
 from .parallel.strategy import strategy as find_strategy
-from .parallel.strategy import strategy_of
 from .parallel.wrap import kernel_settings, sync_gradients, unwrap, unwrap_ddp, wrap_model
 from .reliability.preemption import PreemptFlag
 from .reliability.progress import Progress
@@ -114,7 +112,8 @@ class Run:
 
     def prepare(self, *objs: Any, sync_bn: bool = False, compile: bool = False, channels_last: bool = False,
                 grad_accum: int = 1, ddp: dict[str, Any] | None = None, device_data: bool = False,
-                strategy: str = DEFAULT_STRATEGY, fsdp: dict[str, Any] | None = None, amp: str = "off") -> Any:
+                strategy: str = DEFAULT_STRATEGY, fsdp: dict[str, Any] | None = None, amp: str = "off",
+                **options: dict[str, Any] | None) -> Any:
         """Wrap each nn.Module (device + DDP) and shard each DataLoader; anything else passes through.
 
         Everything returned that has state_dict/load_state_dict (the model, the loader with its data
@@ -129,7 +128,11 @@ class Run:
         takes blocks (the per-block policy: a callable or class names), cpu_offload and
         reshard_after_forward; `amp="bf16"` gives it FSDP's mixed-precision policy. Checkpoints of
         the models and the optimizers over their parameters are then sharded (DCP): create the
-        optimizer from the model this returns."""
+        optimizer from the model this returns. `options`: another strategy's own options, a dict
+        under its name (parallel/<name>.py declares them)."""
+        unknown = sorted(set(options) - option_keywords())
+        if unknown:  # as Python words it for a keyword the signature lacks
+            raise TypeError(f"Run.prepare() got an unexpected keyword argument '{unknown[0]}'")
         chosen = find_strategy(strategy)
         models = any(isinstance(o, nn.Module) for o in objs)
         if chosen.sharded and models:
@@ -141,7 +144,7 @@ class Run:
         if models:
             self._boundary.strategy = chosen
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
-                                 dict(strategy=strategy, fsdp=fsdp, amp=amp)) for o in objs]
+                                 dict(strategy=strategy, fsdp=fsdp, amp=amp, **options)) for o in objs]
         if models:  # what the strategy adds at each step (strategy ft: the replica group's quorum)
             for hook in chosen.step_hooks([o for o in out if isinstance(o, nn.Module)], self.ctx.env,
                                           self._boundary.hooks):
@@ -480,7 +483,8 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     joining.rank = env.rank  # before anything is checked: a mistake every rank makes is printed by rank 0 only
     # A process group that exists already (Ray Train's, your own init_process_group) is adopted by
     # distributed() below; a second ddp_kit.init() is refused there.
-    policy = policy_from_options(run_dir, options, _keywords(Run.prepare) - {"objs"}, _keywords(init, own=True))
+    policy = policy_from_options(run_dir, options, _keywords(Run.prepare) - {"objs", "options"} | option_keywords(),
+                                 _keywords(init, own=True))
     policy = per_replica_group(policy, env.replica_group, env.replica_groups)
     progress = Progress()
     box: list[StepBoundary] = []

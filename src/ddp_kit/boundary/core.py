@@ -18,10 +18,10 @@ at the same step, so the ranks stay in lockstep without extra agreement:
     ckpt_every / ckpt_every_s  an atomic checkpoint of everything registered (saving.py)
     log_every                  one metrics.jsonl record (loss, lr, samples/s, per-rank time split; records.py)
 
-This class holds the run's counters and what is registered, and schedules; each concern it
-schedules lives in its own module: policy, lifecycle (start/close), run_dir_checks, registration
-(what is tracked, and its hooks), resume, agreement (startup), saving, stopping, records. Library code: plain arguments (a Policy, a
-DistContext), never the job's config.
+This class holds the step state (hooks.StepState) and what is registered, and schedules; each
+concern it schedules is a module of its own beside it (README's Layout names them), and what a
+strategy or a service adds at a step comes through hooks.StepHooks. Only this class saves. Library
+code: plain arguments (a Policy, a DistContext), never the job's config.
 """
 from __future__ import annotations
 

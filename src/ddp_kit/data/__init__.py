@@ -1,9 +1,5 @@
-"""Sharded loaders: the global batch split over ranks, epoch reshuffle, resumable position, exact eval.
-
-train_loader.py  TrainLoader and its sampler: world-size independent order, resumable position.
-eval.py          eval_loader: every sample exactly once, optionally the same batch count per rank.
-workers.py       loader workers: how many, per-batch seeds, stop signals left to the rank.
-"""
+"""Sharded loaders: the global batch split over ranks, epoch reshuffle, resumable position, exact
+eval (every sample exactly once), and the loader workers."""
 from .eval import EvalSampler, EvenBatches, eval_loader
 from .train_loader import ShardedSampler, TrainLoader, check_sized, per_rank_batch
 from .workers import (

@@ -1,7 +1,5 @@
-"""`python -m ddp_kit.doctor`: why CUDA, NCCL or multi-GPU training is not working here, on one screen.
-
-facts.py gathers, checks.py judges (pure functions), active.py measures (--comm, --memory).
-"""
+"""`python -m ddp_kit.doctor`: why CUDA, NCCL or multi-GPU training is not working here, on one
+screen: facts gathered, judged by pure functions, and measured on request (--comm, --memory)."""
 from __future__ import annotations
 
 __all__ = ["describe_oom", "findings_for_error", "oom_report"]
