@@ -81,6 +81,12 @@ def test_single_process_default_job_learns(tmp_path):
     summary = read_json(tmp_path / "r" / "summary.json")
     assert summary["eval_accuracy"] >= 0.95 and summary["world_size"] == 1
     assert (tmp_path / "r" / "config.yaml").exists() and "done:" in res.stdout
+    # One recipe hash per run: the summary, every metrics record and the last checkpoint's meta agree.
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    hashes = {r["config_hash"] for r in records if "config_hash" in r}
+    latest = (tmp_path / "r" / "checkpoints" / "latest").read_text().strip()
+    hashes.add(read_json(tmp_path / "r" / "checkpoints" / latest / "meta.json")["config_hash"])
+    assert hashes == {summary["config_hash"]}, hashes
 
 
 def test_four_line_api_diff():

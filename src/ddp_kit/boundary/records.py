@@ -14,7 +14,7 @@ from ..dist.collectives import all_reduce_sum, gather_object
 from ..parallel.digest import param_sha256
 from ..parallel.fsdp import memory_bytes
 from ..reliability.metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
-from ..reliability.recipe import config_hash
+from ..reliability.recipe import NOT_RECIPE, config_hash
 from ..version import __version__
 from .policy import Policy
 from .run_writer import RunWriter
@@ -119,7 +119,7 @@ class MetricsRecords:
                "device": str(self.ctx.device), "resumed_from_step": b.steps.resumed_from or None,
                "strategy": b.strategy.name, "model_state_bytes": b.memory}
         if b.config is not None:
-            out["config_hash"] = config_hash(b.config)
+            out["config_hash"] = config_hash(b.config, leave_out=NOT_RECIPE)  # the recipe's, as summary.json and meta.json
         return out
 
     def clear(self) -> None:

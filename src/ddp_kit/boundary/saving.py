@@ -10,7 +10,7 @@ import torch
 from ..checkpoint.backend import CheckpointBackend
 from ..checkpoint.checkpointer import rng_state
 from ..parallel.ddp import sync_ddp_buffers
-from ..reliability.recipe import config_hash
+from ..reliability.recipe import NOT_RECIPE, config_hash
 from ..version import __version__
 from . import grace_period
 
@@ -31,7 +31,7 @@ def save(b: Boundary, ckpt: CheckpointBackend) -> None:
         sharded = b.strategy.state_dicts(models, optimizers)
     meta = {"ddp_kit": __version__, "torch": torch.__version__, "strategy": b.strategy.name, **b.meta}
     if b.config is not None:
-        meta.update(config=b.config, config_hash=config_hash(b.config))
+        meta.update(config=b.config, config_hash=config_hash(b.config, leave_out=NOT_RECIPE))
     if b.loaders:
         meta.update(epoch=b.loaders[0].epoch, position=b.loaders[0].position)
     phase = b.progress.phase
