@@ -6,7 +6,8 @@ precision (precision.py) and device (device.py) helpers around them."""
 # parallel.strategy without loading torch).
 # "module:name" where the face's name differs (`strategy` is also the submodule's name).
 _PUBLIC = {"autocast": "precision", "check_amp": "precision", "grad_scaler": "precision", "to_device": "device",
-           "STRATEGY_NAMES": "strategy:NAMES", "find_strategy": "strategy:strategy"}
+           "STRATEGY_NAMES": "strategy:NAMES", "find_strategy": "strategy:strategy",
+           "strategy_config_options": "strategy:config_options"}
 __all__ = sorted(_PUBLIC)
 
 

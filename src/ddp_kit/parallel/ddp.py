@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UserError
 from .device import to_device
-from .strategy import Strategy, strategy
+from .strategy import Option, Strategy, article, foreign_keys
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,13 @@ class DDPStrategy(Strategy):
             raise UserError("cpu_offload is an FSDP option; this run's strategy is ddp", "use strategy fsdp, or drop cpu_offload")
 
     def check_config(self, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
-        fsdp = strategy("fsdp")
-        fsdp_only = [f"--{k}" for k in fsdp.config_keys if values[k] != defaults[k]]
-        if fsdp_only:
-            raise UserError(f"{' and '.join(fsdp_only)} {'is an FSDP option' if len(fsdp_only) == 1 else 'are FSDP options'}; "
-                            f"this run's strategy is ddp", f"add --strategy fsdp, or drop {'it' if len(fsdp_only) == 1 else 'them'}")
-
-    def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        return {"ddp": {"bucket_cap_mb": values["bucket_cap_mb"], "static_graph": values["static_graph"]}}
+        given = foreign_keys(self.name, values, defaults)
+        if given:
+            other = given[0][0]  # the options of one strategy at a time
+            keys = [f"--{k}" for s, k in given if s is other]
+            one = len(keys) == 1
+            raise UserError(f"{' and '.join(keys)} {f'is {article(other.label)} {other.label} option' if one else f'are {other.label} options'}; "
+                            f"this run's strategy is ddp", f"add --strategy {other.name}, or drop {'it' if one else 'them'}")
 
     def wrap(self, model: nn.Module, ctx: Any, *, sync_bn: bool = False, find_unused_parameters: bool = False,
              ddp: dict[str, Any] | None = None, **_: Any) -> nn.Module:
@@ -69,9 +68,18 @@ class DDPStrategy(Strategy):
         return inner.no_sync()
 
 
-STRATEGY = DDPStrategy(name="ddp", label="DDP", sharded=False,
-                       options=("bucket_cap_mb", "static_graph", "gradient_as_bucket_view", "find_unused_parameters"),
-                       config_keys=("static_graph", "bucket_cap_mb", "sync_bn"))
+# DDP's own options: run.prepare(ddp={...}) (any other keyword of torch's DistributedDataParallel passes too).
+OPTIONS = (
+    Option("static_graph", False, "DDP static_graph: the set of used parameters never changes between steps (enables "
+           "more overlap).", key="static_graph", resumable=True),
+    Option("bucket_cap_mb", 25.0, "DDP gradient bucket size in MiB: larger buckets, fewer all-reduces.",
+           key="bucket_cap_mb", resumable=True),
+    Option("sync_bn", False, "Convert BatchNorm layers to SyncBatchNorm when world size > 1.", key="sync_bn",
+           own_keyword=True),
+    Option("gradient_as_bucket_view", True),
+    Option("find_unused_parameters", False),
+)
+STRATEGY = DDPStrategy(name="ddp", label="DDP", sharded=False, options=OPTIONS)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

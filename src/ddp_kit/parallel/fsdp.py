@@ -25,9 +25,25 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from .strategy import Strategy, others, strategy
+from .strategy import Option, Strategy, article, foreign_keys, strategy
 
-FSDP_OPTIONS = ("blocks", "cpu_offload", "reshard_after_forward")  # shard()'s keyword options
+
+def _block_names(value: str) -> list[str] | None:
+    return [b.strip() for b in value.split(",") if b.strip()] or None
+
+
+# shard()'s keyword options: run.prepare(fsdp={...}); --fsdp_<name> in the reference job
+OPTIONS = (
+    Option("blocks", "", "fsdp: comma-separated module class names that each become one FSDP unit (e.g. Block). "
+           "Empty: each child of an nn.ModuleList, else each direct child with parameters.", key="fsdp_blocks",
+           resumable=True, parse=_block_names),
+    Option("cpu_offload", False, "fsdp, CUDA only: keep the sharded parameters, gradients and optimizer state in "
+           "host memory (the optimizer step runs on the CPU).", key="fsdp_cpu_offload", resumable=True),
+    Option("reshard_after_forward", True, "fsdp: free each unit's gathered weights after its forward (gathered again "
+           "for the backward); false keeps them (more memory, less communication).",
+           key="fsdp_reshard_after_forward", resumable=True),
+)
+FSDP_OPTIONS = tuple(o.name for o in OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -49,20 +65,17 @@ class FSDPStrategy(Strategy):
                             "drop them, or use strategy ddp")
 
     def check_config(self, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
-        ddp_keys = [k for other in others(self.name) for k in other.config_keys]
-        ddp_only = [f"--{k} {values[k]}" for k in ddp_keys if values[k] != defaults[k]]
-        if ddp_only:
-            raise UserError(f"{', '.join(ddp_only)} {'is a DDP option' if len(ddp_only) == 1 else 'are DDP options'} and "
-                            f"do{'es' if len(ddp_only) == 1 else ''} not combine with --strategy fsdp",
-                            "drop it, or use --strategy ddp")
+        given = foreign_keys(self.name, values, defaults)
+        if given:
+            other = given[0][0]  # the options of one strategy at a time
+            keys = [f"--{k} {values[k]}" for s, k in given if s is other]
+            one = len(keys) == 1
+            raise UserError(f"{', '.join(keys)} {f'is {article(other.label)} {other.label} option' if one else f'are {other.label} options'} and "
+                            f"do{'es' if one else ''} not combine with --strategy {self.name}",
+                            f"drop it, or use --strategy {other.name}")
         if values["amp"] == "fp16":
             raise UserError("--amp fp16 does not combine with --strategy fsdp (its GradScaler does not handle sharded "
                             "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
-
-    def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        blocks = [b.strip() for b in values["fsdp_blocks"].split(",") if b.strip()] or None
-        return {"fsdp": {"blocks": blocks, "cpu_offload": values["fsdp_cpu_offload"],
-                         "reshard_after_forward": values["fsdp_reshard_after_forward"]}}
 
     def wrap(self, model: nn.Module, ctx: Any, *, amp: str = "off", fsdp: dict[str, Any] | None = None,
              **_: Any) -> nn.Module:
@@ -70,11 +83,8 @@ class FSDPStrategy(Strategy):
         # shard there (or in host memory under cpu_offload), so the whole model never has to fit on
         # one GPU. Sharded at world 1 too (a mesh of one): the debug run takes the code path of N
         # ranks, and cpu_offload lets one GPU train a model whose state does not fit on it.
-        fsdp = dict(fsdp or {})
-        unknown = sorted(set(fsdp) - set(FSDP_OPTIONS))
-        if unknown:
-            raise UserError(f"fsdp options {unknown} not understood", f"known: {', '.join(FSDP_OPTIONS)}")
-        return shard(model, ctx.device, ctx.world_size, amp=amp, **fsdp)
+        options = self.own_options(fsdp)
+        return shard(model, ctx.device, ctx.world_size, amp=amp, **options)
 
     def holds(self, model: nn.Module) -> bool:
         return is_sharded(model)
@@ -92,8 +102,7 @@ class FSDPStrategy(Strategy):
         load_state_dicts(models, optimizers, saved, read)
 
 
-STRATEGY = FSDPStrategy(name="fsdp", label="FSDP", sharded=True, options=FSDP_OPTIONS,
-                        config_keys=("fsdp_blocks", "fsdp_cpu_offload", "fsdp_reshard_after_forward"))
+STRATEGY = FSDPStrategy(name="fsdp", label="FSDP", sharded=True, options=OPTIONS)
 
 
 def is_sharded(model: nn.Module) -> bool:

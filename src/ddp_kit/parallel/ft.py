@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UserError
+from .ddp import OPTIONS as DDP_OPTIONS
 from .ddp import unwrap_ddp
 from .strategy import Strategy
 
@@ -403,9 +404,6 @@ class FaultTolerant(Strategy):
     def accumulate(self, model: nn.Module, sync: bool):
         return nullcontext() if sync else unwrap_ddp(model).no_sync()
 
-    def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        return {"ddp": {"bucket_cap_mb": values["bucket_cap_mb"]}}
-
     def step_hooks(self, models: list[Any], env: Any, attached: list[Any]) -> list[Any]:
         from .ft_steps import step_hooks  # torchft's quorum at the step boundary
         return step_hooks([r for r in map(replica_of, models) if r is not None], attached)
@@ -416,5 +414,5 @@ def replica_of(model: nn.Module) -> Replica | None:
     return getattr(inner, "_ddp_kit_replica", None) if inner is not None else None
 
 
-STRATEGY = FaultTolerant(name="ft", label="fault-tolerant DDP (torchft)", sharded=False,
-                         options=("bucket_cap_mb", "gradient_as_bucket_view"), config_keys=("bucket_cap_mb",))
+STRATEGY = FaultTolerant(name="ft", label="fault-tolerant DDP (torchft)", sharded=False, keyword="ddp",
+                         options=tuple(o for o in DDP_OPTIONS if o.name in ("bucket_cap_mb", "gradient_as_bucket_view")))

@@ -5,8 +5,13 @@ A strategy is one frozen object defined in its own file (ddp.py, fsdp.py) and na
 strategy's name; it asks the object (`sharded`, `wrap`, `accumulate`, `state_dicts`, ...). The
 name is what a checkpoint's meta.json records.
 
-This module imports no torch: the job's config asks it for names and option rules before torch
-is loaded; a strategy's own file (and so torch) is imported when the strategy is first looked up.
+A strategy's own options are declared once, in its file, as a tuple of `Option`: run.prepare takes
+them (in the dict under the strategy's `keyword`), and the reference job's config, --help_config
+and the recipe's resume rule (reliability/recipe.py) read their keys, defaults, help and
+`resumable` from there (`config_options`, `option_keywords`).
+
+This module imports no torch: the registry's names are known before torch is loaded; a strategy's
+own file (and so torch) is imported when the strategy, or every strategy's options, is first asked for.
 """
 from __future__ import annotations
 
@@ -26,6 +31,27 @@ UNRECORDED = "ddp"  # the strategy of a checkpoint whose meta.json names none (w
 
 
 @dataclass(frozen=True)
+class Option:
+    """One option of a strategy, declared in the strategy's file (see the module docstring)."""
+
+    name: str  # its key in the strategy's options dict of run.prepare (fsdp={"cpu_offload": True})
+    default: Any  # the config key's default (run.prepare's, through `parse`); its type is the key's unless `type` says
+    help: str = ""  # the config key's line in --help_config
+    key: str | None = None  # the reference job's config key; None: run.prepare's dict only
+    resumable: bool = False  # may differ between a checkpoint and the run resuming it (reliability/recipe.py)
+    type: Any = None  # the config key's type where the default does not say it (float | None)
+    choices: tuple | None = None  # the config values allowed
+    parse: Callable[[Any], Any] | None = None  # config value -> run.prepare's value ("Block, Head" -> ["Block", "Head"])
+    # A keyword of run.prepare itself (sync_bn), passed by the job under every strategy, not in the dict:
+    # listed here as the config key that only this strategy reads.
+    own_keyword: bool = False
+
+    @property
+    def config_type(self) -> Any:
+        return self.type if self.type is not None else type(self.default)
+
+
+@dataclass(frozen=True)
 class Strategy:
     """One way to spread a model over ranks. Concrete strategies override the methods."""
 
@@ -35,8 +61,26 @@ class Strategy:
     # forward is collective), no per-rank digest comparison (every rank hashes the same gathered
     # weights), and an optimizer over none of the model's parameters is refused, not warned about.
     sharded: bool
-    options: tuple[str, ...] = ()  # the keys of its options dict in run.prepare (ddp=..., fsdp=...)
-    config_keys: tuple[str, ...] = ()  # the reference job's config keys that only this strategy reads
+    options: tuple[Option, ...] = ()  # its own options (a strategy may share another's Option objects)
+    keyword: str | None = None  # the run.prepare keyword of its options dict (ddp=..., fsdp=...); None: its name
+
+    @property
+    def options_keyword(self) -> str:
+        return self.keyword or self.name
+
+    @property
+    def config_keys(self) -> tuple[str, ...]:
+        """The reference job's config keys that this strategy reads."""
+        return tuple(o.key for o in self.options if o.key)
+
+    def own_options(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        """`given` (its run.prepare dict), refused in one line when it names an option not declared."""
+        given = dict(given or {})
+        names = [o.name for o in self.options if not o.own_keyword]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise UserError(f"{self.options_keyword} options {unknown} not understood", f"known: {', '.join(names)}")
+        return given
 
     def check_options(self, *, sync_bn: bool, amp: str | None = None, cpu_offload: bool = False,
                       device: Any = None, ddp: dict | None = None) -> None:
@@ -46,8 +90,11 @@ class Strategy:
         """The reference job's rules, worded with its --flags (values/defaults: config key -> value)."""
 
     def prepare_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """run.prepare's keyword options from the reference job's values of `config_keys`."""
-        return {}
+        """run.prepare's keyword options from the reference job's values of `config_keys`: its dict
+        of the options that have a config key (an `own_keyword` one the job passes itself)."""
+        mine = {o.name: o.parse(values[o.key]) if o.parse else values[o.key]
+                for o in self.options if o.key and not o.own_keyword}
+        return {self.options_keyword: mine} if mine else {}
 
     def wrap(self, model: Any, ctx: Any, **options: Any) -> Any:
         raise NotImplementedError(self.name)
@@ -105,3 +152,38 @@ def strategy_of(model: Any) -> Strategy | None:
 
 def others(name: str) -> list[Strategy]:
     return [s for s in every_strategy() if s.name != name]
+
+
+def foreign_keys(name: str, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> list[tuple[Strategy, str]]:
+    """The config keys that other strategies read and `name` does not, given a value other than their
+    default: (the first strategy in the registry that reads it, the key), each key once."""
+    own = set(strategy(name).config_keys)
+    out: dict[str, Strategy] = {}
+    for other in others(name):
+        for key in other.config_keys:
+            if key not in own and key not in out and values[key] != defaults[key]:
+                out[key] = other
+    return [(s, key) for key, s in out.items()]
+
+
+def article(label: str) -> str:
+    """'a' or 'an' before a strategy's label as it is read out ("a DDP", "an FSDP")."""
+    word = label.split()[0] if label.strip() else label
+    spelled = word.isupper()  # an acronym is read letter by letter
+    return "an" if (word[:1] in "AEFHILMNORSX" if spelled else word[:1].lower() in "aeiou") else "a"
+
+
+def config_options() -> list[Option]:
+    """Every strategy's options that the reference job's config holds, each key once (strategies may
+    share one), in the registry's order. Imports every strategy's file (and torch)."""
+    seen: dict[str, Option] = {}
+    for s in every_strategy():
+        for o in s.options:
+            if o.key and seen.setdefault(o.key, o) != o:
+                raise ValueError(f"strategy {s.name} declares config key {o.key!r} unlike another strategy does")
+    return list(seen.values())
+
+
+def option_keywords() -> set[str]:
+    """The keywords of run.prepare (and wrap_model) that hold a strategy's options dict: ddp, fsdp, ..."""
+    return {s.options_keyword for s in every_strategy() if any(not o.own_keyword for o in s.options)}

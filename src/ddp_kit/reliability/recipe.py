@@ -28,10 +28,9 @@ NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt
 #                       the last bits, the recipe does not.
 #   eval_every_epoch    evaluation only.
 # compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
-RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
-                                    "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic",
-                                    "bucket_cap_mb", "static_graph", "device_data", "fsdp_blocks", "fsdp_cpu_offload",
-                                    "fsdp_reshard_after_forward"})
+# A strategy's own config keys say it themselves (Option.resumable, parallel/<name>.py): see RESUMABLE.
+_JOB_RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
+                                         "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic", "device_data"})
 # These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
 _UNREPORTED = frozenset({"resume", "inject"})
 
@@ -41,9 +40,24 @@ def recipe_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tupl
 
     Keys one side lacks (a checkpoint from another ddp_kit version) are not compared."""
     changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
-    refused = {k: c for k, c in changed.items() if k not in RESUMABLE}
-    allowed = {k: c for k, c in changed.items() if k in RESUMABLE and k not in _UNREPORTED}
+    resumable = _resumable()
+    refused = {k: c for k, c in changed.items() if k not in resumable}
+    allowed = {k: c for k, c in changed.items() if k in resumable and k not in _UNREPORTED}
     return refused, allowed
+
+
+def _resumable() -> frozenset[str]:
+    """RESUMABLE: the job's keys above and each strategy's config keys declared resumable. Asked for
+    late: it imports every strategy's file (and torch), which the rest of this module does without."""
+    from ..parallel.strategy import config_options
+
+    return _JOB_RESUMABLE | frozenset(o.key for o in config_options() if o.resumable)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RESUMABLE":
+        return _resumable()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def describe_changes(changes: Mapping[str, tuple]) -> str:

@@ -1,8 +1,9 @@
 """The reference job's config: dataclass defaults < YAML file < command-line flags, strictly checked.
 
-Only the reference job (command.py) reads this; library modules take plain arguments. Importing
-it loads no torch, and keys, types and the generic rules are checked without it; the last check is
-the chosen strategy's own rules (parallel/<name>.py), which loads that file and with it torch.
+Only the reference job (command.py) reads this; library modules take plain arguments. The keys are
+the job's own (`JobKeys`) and, after `strategy`, each strategy's options that have a config key, as
+the strategy declares them in its file (parallel/<name>.py): importing this module imports those
+files, and with them torch. The last check is the chosen strategy's own rules.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
-from ..parallel import STRATEGY_NAMES, find_strategy
+from ..parallel import STRATEGY_NAMES, find_strategy, strategy_config_options
 from ..reliability import NOT_RECIPE, config_hash
 from ..trackers import check_installed
 from ..trackers import parse as parse_trackers
@@ -31,7 +32,9 @@ def _f(default: Any, help: str, choices: tuple | None = None):
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class JobKeys:
+    """The job's own keys; TrainConfig adds the strategies' (see the module docstring)."""
+
     model: str = _f("mlp", "A built-in model (listed below) or pkg.module:function, called as function(**model_args), returning an nn.Module.")
     model_args: dict = _f({}, "Keyword arguments of the model function (a mapping in YAML, or JSON on the command line).")
     dataset: str = _f("digits", "A built-in dataset (listed below) or pkg.module:function, called as function(**dataset_args), returning (train_dataset, test_dataset).")
@@ -57,18 +60,12 @@ class TrainConfig:
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
     backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
     strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) , fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints) or ft (fault-tolerant DDP on torchft: replica groups that survive a lost group; launch with python -m ddp_kit.launch ft). See README 'Choosing a strategy'.", STRATEGY_NAMES)
-    fsdp_blocks: str = _f("", "fsdp: comma-separated module class names that each become one FSDP unit (e.g. Block). Empty: each child of an nn.ModuleList, else each direct child with parameters.")
-    fsdp_cpu_offload: bool = _f(False, "fsdp, CUDA only: keep the sharded parameters, gradients and optimizer state in host memory (the optimizer step runs on the CPU).")
-    fsdp_reshard_after_forward: bool = _f(True, "fsdp: free each unit's gathered weights after its forward (gathered again for the backward); false keeps them (more memory, less communication).")
-    sync_bn: bool = _f(False, "Convert BatchNorm layers to SyncBatchNorm when world size > 1.")
     compile: bool = _f(False, "Wrap the model in torch.compile.")
     channels_last: bool = _f(False, "Use channels_last memory format for image models.")
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for float32 matmuls and convolutions (about 10 mantissa bits).")
     cudnn_benchmark: bool = _f(True, "CUDA: let cuDNN time its algorithms on the first batches of each shape and keep the fastest.")
     deterministic: bool = _f(False, "Deterministic kernels (cuDNN deterministic, torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG); bit-identical resume on a GPU needs it.")
-    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MiB: larger buckets, fewer all-reduces.")
     device_data: bool = _f(False, "Keep an in-memory TensorDataset (digits, synthetic, your own) on the device: the same batches, indexed there, no per-step collate or copy (num_workers 0).")
-    static_graph: bool = _f(False, "DDP static_graph: the set of used parameters never changes between steps (enables more overlap).")
     synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")
@@ -92,6 +89,8 @@ class TrainConfig:
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/train/inject.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
+
+class _Methods:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -101,6 +100,21 @@ class TrainConfig:
         return config_hash(self.to_dict(), leave_out=NOT_RECIPE)
 
 
+def _config_class() -> type:
+    """JobKeys with every strategy's config keys after `strategy` (strategy.Option: key, default, help)."""
+    hints = typing.get_type_hints(JobKeys)
+    keys: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(JobKeys):
+        keys.append((f.name, hints[f.name], _f(f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+                                                f.metadata["help"], f.metadata["choices"])))
+        if f.name == "strategy":
+            keys += [(o.key, o.config_type, _f(o.default, o.help, o.choices)) for o in strategy_config_options()]
+    cls = dataclasses.make_dataclass("TrainConfig", keys, bases=(_Methods,), frozen=True)
+    cls.__module__, cls.__doc__ = __name__, "The reference job's resolved config: JobKeys and the strategies' keys."
+    return cls
+
+
+TrainConfig = _config_class()
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 def _resolved_type(name: str) -> Any:
