@@ -377,7 +377,7 @@ def test_a_group_behind_after_a_split_commit_decision_is_healed_and_says_why(tmp
             if self.calls.count("start_quorum") == 4:  # join, steps 1 and 2, then step 3's quorum
                 b = runs[0]._boundary
                 self.steps = 2
-                b.hooks[0].replica._load_state_dict({"ddp_kit": {"objects": b.state.state_dict(), "done": 2}, "group": 1})
+                next(h for h in b.hooks if hasattr(h, "replica")).replica._load_state_dict({"ddp_kit": {"objects": b.state.state_dict(), "done": 2}, "group": 1})
 
     run, model, loader, opt, r = _ft_run(tmp_path, [True, False, True],
                                          manager=Split(commits=[True, False, True], participants=[2]))
@@ -394,7 +394,7 @@ def test_a_group_behind_after_a_split_commit_decision_is_healed_and_says_why(tmp
     assert "replica group 0 recovered live from group 1 at step 2" in out, out
     assert "it discarded or missed a step the others committed" in out, out
     assert run.steps_done == 3 and r.discarded == 1
-    assert run._boundary.hooks[0].check_next  # and the groups compare weights at the next stop check
+    assert next(h for h in run._boundary.hooks if hasattr(h, "check_next")).check_next  # and the groups compare weights at the next stop check
     run.close()
 
 

@@ -230,7 +230,9 @@ class Run:
                             collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
                             even_batches=self._boundary.strategy.sharded)
         self._uneven_eval = self._uneven_eval or (not self._boundary.strategy.sharded and self.world_size > 1)
-        return EvalLoader(shard, lambda: self._boundary.heartbeat("eval"), self._boundary.models)
+        b = self._boundary
+        return EvalLoader(shard, lambda: b.heartbeat("eval"), b.models,
+                          done=lambda s: b.tell({"event": "eval_pass", "step": b.steps.done, "seconds": round(s, 3)}))
 
     # ---- the reliability layer: checkpoints, preemption, watchdog, sync checks (reliability/) -------
 

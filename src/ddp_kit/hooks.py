@@ -20,6 +20,8 @@ they were attached, at these points:
     may_requeue(b) -> bool      whether this process's job may requeue itself at a stop
     may_report(b) -> bool       whether this process may report the run done (write summary.json)
     summary(b) -> dict          keys for summary.json
+    event(b, record)            a record of the run: every metrics.jsonl record, and the first step, a
+                                resume, an evaluation pass, a log window ("progress")
     close(b)                    at the Run's close, before the process group goes
 
 This module sits below the boundary and the strategies, so both can import it: what a hook may use of
@@ -68,6 +70,7 @@ class StepState:
     not_a_step: bool = False  # an optimizer step that is not training (torch's get_state_dict; state_io)
     measure_grads: bool = True  # at the next optimizer step: gradients exist only until zero_grad
     agreed: bool = False  # the startup agreement has run
+    ended: bool = False  # the run ledger has this attempt's end line
     jumped: bool = False  # a peer's state replaced this run's mid-epoch (run.epochs reads the loader's epoch anew)
 
 
@@ -153,6 +156,9 @@ class StepHooks:
 
     def summary(self, b: Boundary) -> dict[str, Any]:
         return {}
+
+    def event(self, b: Boundary, record: dict[str, Any]) -> None:
+        pass
 
     def close(self, b: Boundary) -> None:
         pass

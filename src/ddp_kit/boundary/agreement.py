@@ -71,3 +71,5 @@ def first_step_over(b: Boundary) -> None:
     b.progress.warm = True
     b.flag.started()  # from here a stop signal is agreed on and checkpointed
     open_trackers(b, start=b.steps.done - 1)  # a script that never called run.resume: it started at this step
+    b.records.first_step_over(b.steps.done)
+    b.tell({"event": "first_step", "step": b.steps.done})

@@ -15,12 +15,16 @@ rerun by hand is never refused (you are fixing something).
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..dist.collectives import rank0_verdict
+from ..dist.collectives import gather_object, rank0_verdict
 from ..errors import EXIT_USER_ERROR, UserError
+from ..reliability.verdicts import REPEATABLE, Verdict, of_stop
+from .ledger import append
 from .tracking import close_trackers
 
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
@@ -31,43 +35,93 @@ OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "us
 
 
 
-def begin(b: Boundary) -> None:
-    """At startup (collective): refuse a crash loop, then record this attempt's start (rank 0)."""
+def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
+    """At startup (collective): refuse a crash loop or a deterministic failure, then record this
+    attempt's start (rank 0). Returns the attempt's number (1-based) on rank 0, else 0. Every rank
+    learns how the previous attempt ended (b.previous_end), for the repeat rule at a failure.
+    `killed_before`: the step and phase rank 0 of a killed previous attempt was at (its progress mirror)."""
     if b.rd is None:
-        return
+        return 0
     path = b.rd.path / FILE
+    hosts = gather_object(b.ctx, socket.gethostname())
+    number = 0
 
-    def check() -> None:
+    def check() -> dict[str, Any] | None:
+        nonlocal number
         latest = _latest(b)
         records = read(path)
         env = b.ctx.env
         automatic = env.restarted_by_engine or env.restart_count > 0 or env.requeue_command is not None
         limit = b.policy.max_failed_attempts
         failed = failed_in_a_row(records, latest)
+        starts = [r for r in records if r.get("event") == "start"]
+        bounds = [r for r in records if r.get("event") in ("start", "end")]
+        previous = bounds[-1] if bounds and bounds[-1].get("event") == "end" else None
+        if automatic and previous is not None and previous.get("retryable") is False and \
+                previous.get("verdict") in REPEATABLE:
+            raise _refused(path, "deterministic", f"the previous attempt of this run ended with a deterministic failure (the same "
+                            f"{previous.get('error')} at step {previous.get('step')} twice): not starting another",
+                            f"fix it (history: {path}), then rerun")
         if automatic and limit and len(failed) >= limit:
             last = failed[-1]
-            raise UserError(f"the last {len(failed)} attempts of this run failed without a new checkpoint (the newest "
+            raise _refused(path, "crash_loop", f"the last {len(failed)} attempts of this run failed without a new checkpoint (the newest "
                             f"is {_step(latest)}; the last ended with exit {last.get('exit', 'killed')} at step "
                             f"{last.get('step', '?')}): not starting another, a restart would fail the same way",
                             f"fix the error the previous attempts printed (history: {path}), then rerun; or raise "
                             f"max_failed_attempts (0: no limit)")
-        _append(path, {"event": "start", "t": round(time.time(), 3), "latest": latest,
-                       "restart_count": env.restart_count})
+        number = len(starts) + 1
+        start: dict[str, Any] = {"event": "start", "t": round(time.time(), 3), "attempt": number,
+                                 "launched_t": launched_at(), "latest": latest, "restart_count": env.restart_count,
+                                 "world_size": b.ctx.world_size, "engine": env.launcher, "hosts": hosts}
+        if killed_before is not None and (not records or records[-1].get("event") != "end"):
+            start["killed_before"] = {"step": killed_before[0], "phase": killed_before[1]}
+        append(path, start)
         b.steps.attempt_started = True
+        return previous
 
-    rank0_verdict(b.ctx, check)
+    b.previous_end = rank0_verdict(b.ctx, check)
+    return number
 
 
 def end(b: Boundary, code: int) -> None:
     """Record how this attempt ended (rank 0), in attempts.jsonl and to the trackers; never raises."""
     close_trackers(b, code)  # bounded, and a tracker's failure is its own warning (trackers/hub.py)
-    if b.rd is None or not b.ctx.is_main or not b.steps.attempt_started:
+    record_end(b, code, b.verdict or of_stop(code, b.steps.done))
+
+
+def record_end(b: Boundary, code: int, verdict: Verdict, **extra: Any) -> None:
+    """The end line (rank 0, once): exit code, verdict and where; never raises."""
+    if b.rd is None or not b.ctx.is_main or not b.steps.attempt_started or b.steps.ended:
         return  # an attempt refused at startup leaves no end: the failures before it stay in a row
+    b.steps.ended = True
     try:
-        _append(b.rd.path / FILE, {"event": "end", "t": round(time.time(), 3), "exit": code,
-                                   "outcome": OUTCOMES.get(code, "failed"), "step": b.steps.done})
+        append(b.rd.path / FILE, {"event": "end", "t": round(time.time(), 3), "attempt": b.attempt, "exit": code,
+                                  "outcome": OUTCOMES.get(code, "failed"), "step": b.steps.done,
+                                  "verdict": verdict.name, "retryable": verdict.retryable, **verdict.fields(),
+                                  **extra})
     except OSError:
         pass
+
+
+def _refused(path: Path, why: str, message: str, hint: str) -> UserError:
+    """The refusal of an automatic restart, with its own line in the ledger (not an attempt: it leaves
+    the failures before it in a row)."""
+    try:
+        append(path, {"event": "refused", "t": round(time.time(), 3), "why": why, "cause": message})
+    except OSError:
+        pass
+    return UserError(message, hint)
+
+
+def launched_at() -> float | None:
+    """When this process started (unix time), from /proc: the time before ddp_kit.init counts as start-up."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        booted = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                      if line.startswith("btime "))
+        return round(booted + int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def failed_in_a_row(records: list[dict[str, Any]], latest: int | None) -> list[dict[str, Any]]:
@@ -102,11 +156,6 @@ def read(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue  # a line cut by a kill
     return out
-
-
-def _append(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def _latest(b: Boundary) -> int | None:

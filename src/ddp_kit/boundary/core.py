@@ -25,6 +25,8 @@ code: plain arguments (a Policy, a DistContext), never the job's config.
 """
 from __future__ import annotations
 
+import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +40,8 @@ from ..checkpoint.backend import CheckpointBackend
 from ..data import TrainLoader
 from ..dist import DistContext
 from ..dist.collectives import broadcast_object
-from ..errors import UserError
+from ..dist.failfast import posted_failure
+from ..errors import EXIT_USER_ERROR, UserError
 from ..hooks import StepHooks, StepState
 from ..parallel.fsdp import memory_bytes
 from ..parallel.strategy import DEFAULT, Strategy, strategy
@@ -48,10 +51,12 @@ from ..reliability.preemption import PreemptFlag
 from ..reliability.progress import Progress
 from ..reliability.recipe import is_scheduler
 from ..reliability.sync_checks import check_consistency, optimizer_steps
+from ..reliability.verdicts import EXIT_HANG, Verdict, deterministic, of_failure, repeats
 from ..reliability.watchdog import Watchdog
 from ..run_folder import RunDir, hang_folder
 from . import agreement, attempts, grace_period, registration, resume, saving, stopping
 from .checkpoint_io import open_checkpointer
+from .ledger import RunLedger
 from .lifecycle import RunResources, watch_store
 from .policy import Policy
 from .records import MetricsRecords
@@ -86,6 +91,9 @@ class StepBoundary:
         self.steps = StepState()
         self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
         self.cuda_notes: Callable[[BaseException], list[str]] | None = None
+        self.attempt = 0  # this attempt's number in the run ledger (rank 0; 0 elsewhere, and without a run folder)
+        self.previous_end: dict[str, Any] | None = None  # the previous attempt's end line (attempts.begin)
+        self.verdict: Verdict | None = None  # how this attempt ends, once it fails (fail)
         self.memory: dict[str, int] = {}  # this rank's parameter/gradient/optimizer bytes (fsdp.memory_bytes)
         self.nonfinite = NonFiniteLoss()
         self.records = MetricsRecords(ctx, policy)
@@ -103,8 +111,19 @@ class StepBoundary:
         self.resources.start(self.config)
         self.records.writer = self.resources.writer
         grace_period.check_at_start(self)
-        attempts.begin(self)  # a crash loop stops here, before any work
+        # A crash loop or a deterministic failure stops here, before any work.
+        self.attempt = attempts.begin(self, self.resources.leftover)
+        if self.attempt and self.rd is not None:  # rank 0: the run ledger's lines of this attempt
+            self.attach(RunLedger(self.rd.path / attempts.FILE, self.attempt))
+            self.watchdog.on_hang = self._hung
         return self
+
+    def _hung(self, stalled_s: float) -> None:
+        step = self.progress.step
+        attempts.record_end(self, EXIT_HANG, Verdict("hang", True, f"no progress for {stalled_s:.0f}s at step {step} in "
+                                                     f"{self.progress.phase} (stacks in {self.hang_dir})",
+                                                     "read the hang report; a restart resumes from the last checkpoint",
+                                                     rank=0, step=step), stalled_s=round(stalled_s, 3))
 
     @property
     def writer(self) -> RunWriter | None:
@@ -140,9 +159,17 @@ class StepBoundary:
         if self.ctx.failfast is not None:
             self.ctx.failfast.quiet()
         self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
-        self.steps.exit_code = handle(err, self.ctx, self.progress.step, self.progress.phase, self.hang_dir,
-                                hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
-        return self.steps.exit_code
+        step = self.progress.step
+        code = handle(err, self.ctx, step, self.progress.phase, self.hang_dir,
+                      hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
+        verdict = of_failure(code, err, posted_failure(self.ctx.store), self.ctx.rank, socket.gethostname(), step)
+        if repeats(verdict, self.previous_end):
+            verdict, code = deterministic(verdict), EXIT_USER_ERROR
+            if verdict.rank == self.ctx.rank or self.ctx.is_main and verdict.rank is None:
+                print(f"ddp_kit: error: {verdict.cause}: not retrying, exiting with {code} (hint: {verdict.fix})",
+                      file=sys.stderr, flush=True)
+        self.verdict, self.steps.exit_code = verdict, code
+        return code
 
     # ---- registration and the hooks that drive the implicit boundary ----------------------------------
 
@@ -362,7 +389,14 @@ class StepBoundary:
         return self.records.log(self)
 
     def write(self, record: dict[str, Any]) -> None:
+        """A metrics.jsonl record (rank 0 writes it), told to every hook."""
         self.records.write(record)
+        self.tell(record)
+
+    def tell(self, record: dict[str, Any]) -> None:
+        """An event of the run for the hooks only (the run ledger): the first step, a resume, ..."""
+        for hook in self.hooks:
+            hook.event(self, record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if not self.may_report():  # strategy ft: another group finished the job with other weights

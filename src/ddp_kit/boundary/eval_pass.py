@@ -2,6 +2,7 @@
 made to agree before the first batch, so that an eval sees (and a checkpoint saves) one model."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,8 +20,9 @@ class EvalLoader:
     checkpoint saves, the same on every rank, and its forwards start no collective (a rank with an
     empty shard may call none). Else the same loader. Every rank iterates it, empty shard or not."""
 
-    def __init__(self, loader: DataLoader[Any], beat: Callable[[], None], models: list[nn.Module]):
-        self._loader, self._beat, self._models = loader, beat, models
+    def __init__(self, loader: DataLoader[Any], beat: Callable[[], None], models: list[nn.Module],
+                 done: Callable[[float], None] | None = None):
+        self._loader, self._beat, self._models, self._done = loader, beat, models, done
 
     def __iter__(self) -> Iterator[Any]:
         if in_main_only():
@@ -29,6 +31,7 @@ class EvalLoader:
                             "iterate it on every rank and combine the sums with run.sum(...), or use a plain "
                             "DataLoader over the whole set inside main_only()")
         self._beat()
+        started = time.monotonic()
         for model in self._models:
             sync_ddp_buffers(model)
         for batch in self._loader:
@@ -36,6 +39,8 @@ class EvalLoader:
             for model in self._models:  # an eval forward with gradients on would arm the broadcast again
                 ddp_local_forward(model)
             yield batch
+        if self._done is not None:  # a whole pass (the run ledger counts its time)
+            self._done(time.monotonic() - started)
 
     def __len__(self) -> int:
         return len(self._loader)

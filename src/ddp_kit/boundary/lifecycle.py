@@ -8,7 +8,7 @@ from typing import Any
 
 from ..dist import DistContext
 from ..reliability.peer_loss import disable_crash_dump, enable_crash_dump
-from ..reliability.progress import Progress
+from ..reliability.progress import Progress, read_mirror
 from ..reliability.watchdog import Watchdog
 from ..run_folder import RunDir
 from .run_dir_checks import prepare_run_dir
@@ -21,6 +21,7 @@ class RunResources:
     def __init__(self, ctx: DistContext, rd: RunDir | None, progress: Progress, watchdog: Watchdog, hang_dir: str):
         self.ctx, self.rd, self.progress, self.watchdog, self.hang_dir = ctx, rd, progress, watchdog, hang_dir
         self.writer: RunWriter | None = None
+        self.leftover: tuple[int, str] | None = None
         self._stack = ExitStack()
 
     def start(self, config: dict[str, Any] | None) -> None:
@@ -37,7 +38,9 @@ class RunResources:
             crash_file = enable_crash_dump(self.hang_dir, ctx.rank)
             if crash_file is not None:
                 stack.callback(disable_crash_dump, crash_file)
-            self.progress.mirror(f"{self.hang_dir}/rank{ctx.rank}.progress")
+            mirror = f"{self.hang_dir}/rank{ctx.rank}.progress"
+            self.leftover = read_mirror(mirror)  # a killed attempt's last position (a clean end removes it)
+            self.progress.mirror(mirror)
         stack.callback(self.progress.unmirror)
         self.watchdog.start()
         stack.callback(self.watchdog.stop)

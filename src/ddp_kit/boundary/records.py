@@ -42,12 +42,16 @@ class MetricsRecords:
         self.started = time.perf_counter()
         self._window_loss: torch.Tensor | float | None = None
         self._window_n = 0
+        self.first_step = (0.0, 0)  # (when, at which step) the first step ended: the ledger's windows start there
         self.last_log = (time.perf_counter(), 0)  # (when, at which step) the last record was made
 
     def add_loss(self, value: torch.Tensor | float) -> None:
         """A step's loss, folded into a device scalar (never read on the spot), or a float read on the host."""
         self._window_loss = value if self._window_loss is None else self._window_loss + value
         self._window_n += 1
+
+    def first_step_over(self, done: int) -> None:
+        self.first_step = (time.perf_counter(), done)
 
     def restart_window(self, done: int) -> None:
         self.last_log = (time.perf_counter(), done)
@@ -60,6 +64,7 @@ class MetricsRecords:
             b.nonfinite.check(ctx, b.checkpointer_if_open())
             now = time.perf_counter()
             record: dict[str, Any] = {"event": "train", "step": done, "epoch": b.epoch}
+            ranks = None
             if self._window_loss is not None:
                 (loss,) = all_reduce_sum(ctx, [float(self._window_loss) / max(self._window_n, 1)])
                 record["loss"] = loss / ctx.world_size
@@ -84,7 +89,13 @@ class MetricsRecords:
                         b.say(f"ddp_kit: warning: {line}")
         for fn in self.on_log:
             fn(record)
-        self.write(record)
+        b.write(record)
+        t1, s1 = max(self.last_log, self.first_step)  # the window, less the start-up before the first step
+        window = {"event": "progress", "step": done, "window_s": round(now - t1, 4), "steps": done - s1}
+        if ranks:  # the rank whose own work (not its waits) was slowest in this window
+            slowest = max(ranks, key=lambda x: x.get("local_s", 0.0))
+            window.update(slowest_rank=slowest["rank"], slowest_host=slowest.get("host"))
+        b.tell(window)
         self._window_loss, self._window_n, self.last_log = None, 0, (now, done)
         return record
 

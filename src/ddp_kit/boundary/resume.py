@@ -41,6 +41,7 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
               f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
+    b.tell({"event": "resume", "step": b.steps.done, "from": "peer" if live else "checkpoint" if found else "none"})
     open_trackers(b, start=b.steps.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
     return b.steps.done
 

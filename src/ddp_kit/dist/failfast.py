@@ -63,6 +63,17 @@ def same_error(failed: dict, err: BaseException) -> bool:
     return failed.get("error") == _describe(err)
 
 
+def posted_failure(store) -> dict | None:
+    """The failure that stands for the job (any rank's, this one's included), if one was posted."""
+    try:
+        if store is not None and store.check([FAILED_KEY]):
+            failed = json.loads(store.get(FAILED_KEY) or "null")
+            return failed if isinstance(failed, dict) else None
+    except Exception:
+        pass
+    return None
+
+
 def peer_failure(store, rank: int) -> dict | None:
     """The failure another rank posted, if any."""
     try:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from ..dist import FR_PREFIX
@@ -77,6 +78,7 @@ class Watchdog:
         self._main_thread = threading.get_ident()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-watchdog", daemon=True)
         self.store = store
+        self.on_hang: Callable[[float], None] | None = None  # rank 0, before it exits: the stall's seconds
 
     def start(self) -> Watchdog:
         if self.store is not None and self.hang_timeout_s > 0:
@@ -190,6 +192,11 @@ class Watchdog:
         time.sleep(max(2.0, self.poll_s * 1.5))  # let every rank publish its latest position
         print(hang_report(self._positions(), stalled_for, self.dump_dir), file=sys.stderr, flush=True)
         self.store.set(_ABORT, "hang")
+        if self.on_hang is not None:
+            try:
+                self.on_hang(stalled_for)
+            except Exception:
+                pass  # the hang report is out; the exit must not wait on anything else
         time.sleep(self.poll_s * 1.5)  # the others see the flag, dump, and exit
         os._exit(EXIT_HANG)
 

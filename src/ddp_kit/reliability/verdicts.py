@@ -1,0 +1,113 @@
+"""One verdict per attempt: how it ended, whether a restart can help, and the exit code that says so.
+
+    verdict          exit  retryable  what it means
+    finished            0  -          the run ended; nothing to restart
+    preempted          75  yes        a stop signal (SIGTERM, SIGUSR2): checkpointed, rerun to resume
+    interrupted       130  no         Ctrl-C: a person stopped it
+    user_error          2  no         a bad config or input (one line with a hint); a restart fails the same way
+    program_error       1  yes        an exception in the script (its traceback); retried once: the same
+                                      exception at the same step in the next attempt is deterministic,
+                                      and that attempt exits 2 (not retryable)
+    out_of_memory       1  yes        the device or host ran out of memory; the same repeat rule
+    lost_peer           1  yes        a collective timed out or another rank vanished (killed, node lost)
+    infrastructure      1  yes        the disk is full or read-only, storage unreachable, an I/O error
+    hang                3  yes        no progress within hang_timeout_s (stacks in run_dir/hang/)
+    killed              -  yes        (read, never written) an attempt that left no end: SIGKILL, the OOM killer
+
+Engines act on the exit code alone, so the non-retryable ones share code 2 (EXIT_USER_ERROR), which the
+templates map to "do not retry" (SLURM: no requeue; TrainJob/PyTorchJob/Volcano: fail the job).
+"""
+from __future__ import annotations
+
+import errno
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import EXIT_USER_ERROR, UserError
+
+EXIT_FAILED, EXIT_HANG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 75, 130
+REPEATABLE = ("program_error", "out_of_memory")  # the same one twice at one step will not heal
+_INFRA_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+_OOM_WORDS = ("OutOfMemoryError", "MemoryError", "out of memory")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    retryable: bool
+    cause: str = ""  # one line: what happened, where
+    fix: str = ""  # one line: what to do
+    rank: int | None = None  # the rank whose failure it was
+    host: str | None = None
+    step: int | None = None
+    error: str = ""  # "Type: first line" of the exception, for the repeat rule
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in (None, "") and k != "name"}
+
+
+def of_stop(code: int, step: int) -> Verdict:
+    """A clean end or a stop signal."""
+    if code == 0:
+        return Verdict("finished", False, step=step)
+    if code == EXIT_PREEMPTED:
+        return Verdict("preempted", True, "a stop signal: checkpointed and stopped", "rerun (or requeue) to resume",
+                       step=step)
+    if code == EXIT_INTERRUPTED:
+        return Verdict("interrupted", False, "Ctrl-C", "rerun the same command to resume", step=step)
+    return Verdict("program_error", True, f"exit {code}", "see the error printed above", step=step)
+
+
+def of_failure(code: int, err: BaseException, posted: dict[str, Any] | None, rank: int, host: str, step: int) -> Verdict:
+    """The verdict of a failed attempt, as this rank sees it. `posted`: the failure that stands for the
+    job (fail-fast's record: rank, host, step, error), when another rank's came first."""
+    where = posted if posted and posted.get("rank") != rank else None
+    text = str(where["error"]) if where else f"{type(err).__name__}: {_first_line(err)}"
+    at = dict(rank=int(where["rank"]), host=str(where.get("host")), step=int(where.get("step") or 0)) if where else \
+        dict(rank=rank, host=host, step=step)
+    if code == EXIT_HANG:
+        return Verdict("hang", True, f"no progress at step {step}: a hang (stacks in run_dir/hang/)",
+                       "read the hang report above; a restart resumes from the last checkpoint", **at, error=text)
+    if code == EXIT_USER_ERROR or isinstance(err, UserError) and not where:
+        return Verdict("user_error", False, text, "fix the configuration or input the error names", **at, error=text)
+    if where is None and _is_infrastructure(err):
+        return Verdict("infrastructure", True, text, "free space or fix the storage, then rerun", **at, error=text)
+    if any(w in text for w in _OOM_WORDS):
+        return Verdict("out_of_memory", True, text, "lower the batch size (or use fsdp / amp / grad_accum)", **at,
+                       error=text)
+    if where is None and _is_comm(err):
+        return Verdict("lost_peer", True, text, "a restart resumes; if it repeats, check the network and the nodes",
+                       **at, error=text)
+    return Verdict("program_error", True, text, "fix the exception in the script's code (traceback above)", **at,
+                   error=text)
+
+
+def repeats(v: Verdict, previous: dict[str, Any] | None) -> bool:
+    """The same failure (exception and step) as the previous attempt's end: it will not heal."""
+    return (v.name in REPEATABLE and previous is not None and previous.get("verdict") == v.name
+            and previous.get("error") == v.error and previous.get("step") == v.step)
+
+
+def deterministic(v: Verdict) -> Verdict:
+    return Verdict(v.name, False, f"{v.cause} (the same as the previous attempt, at the same step: deterministic)",
+                   "fix it before rerunning; a restart fails the same way", v.rank, v.host, v.step, v.error)
+
+
+def _first_line(err: BaseException) -> str:
+    text = getattr(err, "message", None) or str(err)
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _is_infrastructure(err: BaseException) -> bool:
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _INFRA_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _is_comm(err: BaseException) -> bool:
+    from .peer_loss import is_comm_error  # torch-free callers (status) never get here
+
+    return bool(is_comm_error(err))
