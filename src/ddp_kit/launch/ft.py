@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import EXIT_USER_ERROR, UserError
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 RESULTS = "DDP_KIT_FT_RESULTS"  # the results folder, read by each group (parallel/ft.py, FtHooks.may_report)
@@ -47,12 +47,13 @@ JOIN = "DDP_KIT_FT_JOIN_TIMEOUT_S"  # the lighthouse's join timeout, named to a 
 # a killed torchrun's workers are found by this mark, not by process group.
 TOKEN = "DDP_KIT_FT_GROUP_TOKEN"
 # Each rank runs under this shim (as templates/k8s/rank.sh does for the pods): torchrun reports any failed
-# worker as its own exit 1, so a rank that stopped on a signal (75 preempted, 130 Ctrl-C) writes its code
-# into the group's mark; the traps keep the shell alive until the rank has saved and exited.
+# worker as its own exit 1, so a rank that stopped on a signal (75 preempted, 130 Ctrl-C) or on a failure a
+# restart cannot heal (2: a user error, a deterministic one) writes its code into the group's mark; the traps
+# keep the shell alive until the rank has saved and exited.
 SHIM = """trap : TERM INT HUP USR2
 "$@"
 rc=$?
-case "$rc" in 75|130) echo "$rc" >"${DDP_KIT_PREEMPT_MARK:-/tmp/ddp_kit.preempted}" ;; esac
+case "$rc" in 75|130|2) echo "$rc" >"${DDP_KIT_PREEMPT_MARK:-/tmp/ddp_kit.preempted}" ;; esac
 exit "$rc"
 """
 
@@ -330,7 +331,8 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
                 continue
             rc = group.rc = group.proc.returncode
             _end_group(group)  # its workers, should torchrun itself have died first
-            stopped = _mark_code(group.mark)
+            marked = _mark_code(group.mark)
+            stopped = marked if marked in (75, 130) else 0
             if group.index in late:
                 group.code = 0  # the job was done without it
                 continue
@@ -338,6 +340,11 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
                 group.code = stopped or rc
                 if rc == 0 and finished_at is None:
                     finished_at = now
+                continue
+            if marked == EXIT_USER_ERROR and finished_at is None:
+                group.code = EXIT_USER_ERROR
+                say(f"replica group {group.index} failed with exit {EXIT_USER_ERROR} (not retryable: a user error, or the "
+                    f"same failure at the same step twice): not restarted")
                 continue
             if finished_at is not None:
                 say(f"replica group {group.index} failed (exit {_exit_name(rc)}) after the job was finished: not "
@@ -393,7 +400,8 @@ def _shared_tmp() -> Path:
 
 
 def _mark_code(mark: Path) -> int:
-    """The code a group's rank stopped with on a signal (75, 130), from the shim's mark; 0: none."""
+    """The code a group's rank stopped with on a signal (75, 130) or on a failure that is not retryable
+    (2), from the shim's mark; 0: none."""
     try:
         text = mark.read_text().strip()
     except OSError:

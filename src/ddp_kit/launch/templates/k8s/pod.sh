@@ -2,7 +2,8 @@
 #   sh -c "<this script>" ddp_kit-pod PREEMPTED_EXIT COMMAND [ARGS...]
 # Runs COMMAND, forwards SIGTERM (eviction, preemption, kubectl delete) to it, and exits PREEMPTED_EXIT
 # when ddp_kit checkpointed and exited 75, so that the engine's restart policy can tell "restart me"
-# from a failure. Every other exit code passes through unchanged.
+# from a failure, and 2 when a rank under torchrun exited 2 (not retryable; torchrun itself exits 1).
+# Every other exit code passes through unchanged.
 preempted_exit=$1
 shift
 mark=${DDP_KIT_PREEMPT_MARK:-/tmp/ddp_kit.preempted}  # left by rank.sh when a rank under torchrun exits 75 (torchrun itself exits 1)
@@ -16,7 +17,12 @@ while :; do
     rc=$?
     kill -0 "$child" 2>/dev/null || break  # wait also returns after the trap ran; the command still runs then
 done
-if [ "$rc" -eq 75 ] || [ -e "$mark" ]; then
+marked=$(cat "$mark" 2>/dev/null || true)
+if [ "$rc" -ne 0 ] && [ "$marked" = 2 ]; then
+    echo "ddp_kit: pod: a rank exited 2 (not retryable: a user error, or the same failure at the same step twice); exiting 2 so that the engine does not restart this pod" >&2
+    exit 2
+fi
+if [ "$rc" -eq 75 ] || [ -e "$mark" ] && [ "$marked" != 2 ]; then
     echo "ddp_kit: pod: the ranks checkpointed and exited 75 (preempted); exiting $preempted_exit so that the engine restarts this pod" >&2
     exit "$preempted_exit"
 fi
