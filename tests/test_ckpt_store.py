@@ -1,7 +1,7 @@
 """The object store checkpoint backend in this process (world size 1), on fsspec's own stores: an
 in-process `memory://` and the local `file://` (the same code path as s3://, without a server; the
 S3-protocol server tests are test_ckpt_s3.py's). The commit protocol is checked by what it leaves on
-the store: every object before the manifest, the manifest before `latest`; damage is made by writing
+the store: every object, then `latest`, then the manifest; damage is made by writing
 the damaged object, and failed uploads by a step prefix that cannot be written (a file in its way)."""
 import hashlib
 import json
@@ -32,9 +32,9 @@ def _save(ck, step, value=None):
 
 
 def _objects(ck):
-    from ddp_kit.checkpoint import store
+    from ddp_kit.checkpoint import steps
 
-    return store.listing(ck.store)
+    return steps.objects(ck.store)
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -128,7 +128,7 @@ def test_find_falls_back_past_a_damaged_newest_step_in_one_line(url, damage, sai
 
 
 def test_a_crash_leaves_only_objects_no_manifest_vouches_for_and_the_next_save_removes_them(url):
-    from ddp_kit.checkpoint import layout, open_backend, store
+    from ddp_kit.checkpoint import layout, open_backend, steps
 
     ck = open_backend(url, _alone(), keep_last=2)
     for step in (1, 2, 3, 4):
@@ -147,7 +147,7 @@ def test_a_crash_leaves_only_objects_no_manifest_vouches_for_and_the_next_save_r
     ck.wait()
     objects = _objects(ck)
     assert sorted({r.split("/")[0] for r in objects}) == ["latest", "step_4", "step_5", "step_9"]  # keep_last 2
-    assert "step_4/rank7.pt" not in objects and list(store.by_step(objects)[9]) == ["step_9/rank0.pt"]
+    assert "step_4/rank7.pt" not in objects and list(steps.by_step(objects)[9]) == ["step_9/rank0.pt"]
     # a save killed between `latest` and the manifest: `latest` names an incomplete step; resume falls
     # back to the one before, and the next save of that step replaces it
     _save(ck, 6)
@@ -174,7 +174,7 @@ def test_keep_last_zero_keeps_every_committed_step(url):
 
 def test_archive_copies_the_abandoned_steps_under_the_url_and_points_latest_first(url):
     from ddp_kit.boundary.checkpoint_io import archive_folder
-    from ddp_kit.checkpoint import open_backend, store
+    from ddp_kit.checkpoint import open_backend, steps
     from ddp_kit.run_folder import RunDir
 
     ck = open_backend(url, _alone(), keep_last=0)
@@ -188,7 +188,7 @@ def test_archive_copies_the_abandoned_steps_under_the_url_and_points_latest_firs
     assert len(archived) == 10 and all("/archive/20" in a for a in archived)  # <url>/archive/<time>/step_N/...
     assert sorted({r.split("/")[0] for r in _objects(ck)}) == ["latest", "step_1"]
     assert ck.find("auto", warn=pytest.fail).step == 1
-    assert ck.archive(None, into) == [1] and ck.latest() is None and store.committed(_objects(ck)) == []
+    assert ck.archive(None, into) == [1] and ck.latest() is None and steps.committed(_objects(ck)) == []
     ck.close()
 
 
@@ -504,7 +504,7 @@ def test_a_manifest_naming_a_file_outside_the_step_is_invalid_and_nothing_is_wri
 
 @pytest.mark.parametrize("name", ["../escaped.pt", "/etc/hostname"])
 def test_a_folder_checkpoint_whose_manifest_names_a_file_outside_is_invalid(tmp_path, name):
-    from ddp_kit.checkpoint import folder, open_backend
+    from ddp_kit.checkpoint import open_backend, open_storage, steps
 
     ck = open_backend(tmp_path / "ck", _alone(), keep_last=0)
     for step in (1, 2):
@@ -518,7 +518,8 @@ def test_a_folder_checkpoint_whose_manifest_names_a_file_outside_is_invalid(tmp_
     data = target.read_bytes() if target is not None else open(name, "rb").read()
     manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (step2 / "manifest.json").write_text(json.dumps(manifest))
-    assert "unsafe manifest" in folder.validate(step2)
+    where = open_storage(step2.parent)
+    assert "unsafe manifest" in steps.validate(where, "step_2", where.listing("step_2"), None)[0]
     lines = []
     assert ck.find("auto", warn=lines.append).step == 1 and "unsafe manifest" in lines[0]
     ck.close()
@@ -651,7 +652,7 @@ def test_a_job_taken_over_stops_at_its_next_commit_without_writing_it(url, taker
 
 
 def test_prune_leaves_every_step_above_its_own_latest_alone(url):
-    from ddp_kit.checkpoint import open_backend, store
+    from ddp_kit.checkpoint import open_backend, steps
 
     ck = open_backend(url, _alone(), keep_last=1)
     for step in (1, 2):
@@ -659,7 +660,7 @@ def test_prune_leaves_every_step_above_its_own_latest_alone(url):
     ck.wait()
     # another writer's upload in flight above this job's latest, and a complete step above it
     ck.store.fs.pipe_file(ck.store.path("step_9", "model.pt"), b"uploading")
-    store.prune(ck.store, 2, 1)
+    steps.prune(ck.store, 2, 1)
     assert "step_9/model.pt" in _objects(ck)
     ck.close()
 
@@ -780,7 +781,7 @@ def test_a_cached_file_is_vouched_for_only_once_its_new_bytes_are_verified(tmp_p
     import shutil
     import tempfile
 
-    from ddp_kit.checkpoint import layout, store
+    from ddp_kit.checkpoint import layout, steps
     from ddp_kit.checkpoint.backend import Found
     from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
 
@@ -799,9 +800,9 @@ def test_a_cached_file_is_vouched_for_only_once_its_new_bytes_are_verified(tmp_p
     shutil.rmtree(cached.parent, ignore_errors=True)
     shutil.copytree(left, cached.parent)
     ck.store.fs.rm_file(ck.store.path("step_3", layout.MODEL))
-    manifest = store.read_manifest(ck.store, 3)
-    said = store.fetch(ck.store, f"{url}/step_3", cached.parent, manifest)
+    manifest = steps.read_manifest(ck.store, "step_3")
+    said = steps.fetch(ck.store, "step_3", cached.parent, manifest)
     assert said == "model.pt is missing", said
-    assert not cached.exists() or store._read_verified(cached.parent).get("model.pt") != manifest["files"]["model.pt"]["sha256"]
-    assert store.fetch(ck.store, f"{url}/step_3", cached.parent, manifest) == "model.pt is missing"
+    assert not cached.exists() or steps._read_verified(cached.parent).get("model.pt") != manifest["files"]["model.pt"]["sha256"]
+    assert steps.fetch(ck.store, "step_3", cached.parent, manifest) == "model.pt is missing"
     ck.close()

@@ -1,19 +1,34 @@
 """The checkpoint backend seam: what the step boundary asks of a run's checkpoint storage, and the
-registry that picks an implementation by the location's URL scheme (a plain path: "", the folder
-backend; a URL, file:// included: the object store backend, through fsspec).
+registry of storages by the location's URL scheme (a plain path: "", a folder; a URL, file://
+included: fsspec).
 
-Adding a backend is one new module with a factory `open_<x>(ctx, location, **options)` and one line
-in BACKENDS. The registry names the factory by its import path rather than importing it, so that a
-backend's optional dependency (fsspec, s3fs) is imported only by a run that uses it.
+Three layers, each knowing only the one below:
+- **a storage** (storage.Storage): what one location can do. Open a stream for write and read,
+  list, remove, rename or not (`can_rename`), and whether every rank reads and writes it in place
+  (`local_root`). storage_folder.FolderStorage (rename, local) and store_fs.Store (any fsspec URL:
+  no rename, not local).
+- **the commit protocol** (steps.py), once for every storage: the order of a commit's writes, which
+  steps are committed and valid, resume's choice, prune, archive; `python -m ddp_kit.checkpoint`
+  reads through it too.
+- **a backend** (CheckpointBackend, below): the save of one run's ranks. checkpointer.Checkpointer
+  writes each rank's files in place on a storage with a `local_root`; object_store's stages them on
+  a node-local disk and uploads them (with retries, a lease, a startup probe) to one without.
+
+Adding a storage is one new module with a class implementing storage.Storage and a factory
+`open_<x>(location) -> Storage`, and one line in STORAGES. The registry names the factory by its
+import path rather than importing it, so that a storage's optional dependency (fsspec, s3fs) is
+imported only by a run that uses it. Nothing outside the storage module asks which one it is: the
+backend and the protocol go by its flags (a rename-capable HDFS commits by rename like a folder;
+a node-local NVMe tier mounted everywhere writes in place like one).
 
 What every backend must guarantee (the readers rely on nothing else):
 - **Atomic visibility.** A step counts only once its manifest (layout.MANIFEST) is present and every
   file it names is there with the size and sha256 it records. Readers (find, the CLI) trust nothing
-  else, so a crash at any point of a save leaves at most files that no manifest vouches for. A folder
-  gets this by writing into a temporary name and renaming it; a store without rename (an object
-  store) writes every object under the step's prefix, then the `latest` pointer, then the manifest.
-  Both point `latest` before the step becomes complete, so that a kill between the two never leaves
-  a complete step above `latest` (which resume would take for an abandoned run's).
+  else, so a crash at any point of a save leaves at most files that no manifest vouches for. The one
+  commit order (steps.commit): every file under the step's staging name, then `latest`, then the
+  manifest, then (where the storage can rename) the staged folder renamed into place. `latest`
+  first, so that a kill between the two never leaves a complete step above `latest` (which resume
+  would take for an abandoned run's).
 - **`latest` bounds resume from above.** Steps above the one `latest` names belong to an abandoned
   run and are never chosen; `latest` may name a step that is not (yet) valid, and find then falls
   back to the newest valid step below it, saying so through `warn`.
@@ -37,6 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import UserError
+from .storage import Storage
 
 
 @dataclass(frozen=True)
@@ -69,13 +85,13 @@ class CheckpointBackend(Protocol):
         """The step to resume from (collective): "auto" the newest valid one (at most `latest`, damaged
         ones reported through `warn`), "never" None, else the named step, refused in one line if invalid."""
 
-    def load(self, found: Found) -> tuple[dict, dict | None, dict]:
+    def load(self, found: Found) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
         """(shared state, this rank's own state or None, meta) of `found`, on CPU."""
 
     def sharded_keys(self, found: Found) -> set[str]:
         """The flattened keys of the sharded state `found` holds (empty when it holds none)."""
 
-    def load_sharded(self, found: Found, template: dict) -> None:
+    def load_sharded(self, found: Found, template: dict[str, Any]) -> None:
         """Fill `template` (this rank's sharded state dicts) from `found`, whatever world size wrote it."""
 
     def latest(self) -> int | None:
@@ -98,13 +114,14 @@ class CheckpointBackend(Protocol):
         """At the run's end: wait for a pending save (re-raising its error), then free what saves kept."""
 
 
-# scheme -> "module:factory"; factory(ctx, location: str, **options) -> CheckpointBackend
-_STORE = "ddp_kit.checkpoint.object_store:open_object_store"
-BACKENDS: dict[str, str] = {
-    "": "ddp_kit.checkpoint.checkpointer:open_folder",  # a plain path: a folder every rank mounts
+# scheme -> "module:factory"; factory(location: str) -> storage.Storage, refusing a bad location in one line
+_FSSPEC = "ddp_kit.checkpoint.store_fs:open_store"
+STORAGES: dict[str, str] = {
+    "": "ddp_kit.checkpoint.storage_folder:open_folder_storage",  # a plain path: a folder every rank mounts
     # file:// takes the object store's code path on a local (or mounted) folder: no rename, no fsync
-    **dict.fromkeys(("file", "s3", "gs", "gcs", "az", "abfs", "abfss", "memory"), _STORE),
+    **dict.fromkeys(("file", "s3", "gs", "gcs", "az", "abfs", "abfss", "memory"), _FSSPEC),
 }
+BACKENDS = STORAGES  # its earlier name
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -115,13 +132,37 @@ def scheme_of(location: str | Path) -> str:
     return found.group(1).lower() if found else ""
 
 
+def _factory(location: str | Path) -> Callable[[str], Storage]:
+    scheme = scheme_of(location)
+    if scheme not in STORAGES:
+        raise UserError(f"unknown checkpoint location scheme {scheme!r} in {str(location)!r}: this ddp_kit "
+                        f"stores checkpoints in folders and in {', '.join(f'{s}://' for s in sorted(STORAGES) if s)} "
+                        f"locations", "pass a folder path or one of those URLs as ckpt_dir")
+    module, factory = STORAGES[scheme].split(":")
+    opener: Callable[[str], Storage] = getattr(importlib.import_module(module), factory)
+    return opener
+
+
+def open_storage(location: str | Path) -> Storage:
+    """The storage at `location` (a folder path or a URL). An unknown scheme, or a location its storage
+    cannot open (a client not installed, a URL with no bucket), is refused in one line."""
+    return _factory(location)(str(location))
+
+
 def open_backend(location: str | Path, ctx: Any, **options: Any) -> CheckpointBackend:
     """The backend for `location` (a folder path or a URL), built with `options` (keep_last, async_save,
-    timeout_s, write_delay_s, upload_timeout_s). An unknown scheme is refused in one line."""
-    scheme = scheme_of(location)
-    if scheme not in BACKENDS:
-        raise UserError(f"unknown checkpoint location scheme {scheme!r} in {str(location)!r}: this ddp_kit "
-                        f"stores checkpoints in folders and in {', '.join(f'{s}://' for s in sorted(BACKENDS) if s)} "
-                        f"locations", "pass a folder path or one of those URLs as ckpt_dir")
-    module, factory = BACKENDS[scheme].split(":")
-    return getattr(importlib.import_module(module), factory)(ctx, str(location), **options)
+    timeout_s, write_delay_s, upload_timeout_s): ranks write in place on a storage every rank mounts,
+    else stage and upload. An unknown scheme is refused in one line at once; a location its storage
+    cannot open, at the first collective call (find or save), by every rank together."""
+    opener = _factory(location)
+    try:
+        storage: Storage | None = opener(str(location))
+    except UserError:  # the object store backend says it at its first collective call
+        storage = None
+    if storage is not None and storage.local_root is not None:
+        from .checkpointer import open_folder
+
+        return open_folder(ctx, storage, **options)
+    from .object_store import open_object_store
+
+    return open_object_store(ctx, storage if storage is not None else str(location), **options)

@@ -1,5 +1,6 @@
-"""The "file" checkpoint backend: a run's checkpoints in a folder every rank mounts, committed by
-rename. Names are layout's; what any backend must guarantee is in backend.py.
+"""The in-place checkpoint backend: a run's checkpoints on a storage every rank mounts (a folder),
+each rank writing its files where they stay. Names are layout's; the commit protocol is steps.py's;
+what any backend must guarantee is in backend.py.
 
     step_<N>/model.pt        rank 0: the unwrapped model's state_dict (exportable as is)
     step_<N>/train_state.pt  rank 0: optimizer, scheduler, scaler, loop and data position
@@ -11,16 +12,15 @@ rename. Names are layout's; what any backend must guarantee is in backend.py.
     step_<N>/manifest.json   rank 0, written last: every file's size and sha256
     latest                   the name of the newest committed step_<N>
 
-Commit protocol: every rank writes into `.tmp_step_<N>/` and fsyncs; each rank posts its files'
-checksums to the rendezvous store (thread-safe, so an async save never issues a collective that
-could interleave with the training loop's); rank 0 waits for all of them, writes the manifest,
-renames the folder into place, fsyncs, and updates `latest` last. Only a folder whose manifest
-exists and matches its files counts as a checkpoint.
+Save: every rank writes into the step's staging name (`.tmp_step_<N>/` on a folder) through the
+storage, durably; each rank posts its files' checksums to the rendezvous store (thread-safe, so an
+async save never issues a collective that could interleave with the training loop's); rank 0 waits
+for all of them and commits (steps.commit: `latest`, the manifest, the rename into place), then
+prunes. Only a step whose manifest exists and matches its files counts as a checkpoint.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -35,32 +35,41 @@ import torch
 from ..dist import DistContext
 from ..dist.collectives import all_true, rank0_verdict
 from ..errors import UserError
-from . import dcp_files, folder, layout
+from . import dcp_files, layout, steps
 from .backend import Found
 from .dcp_stager import _stager_reuses, reusable_stager
-from .durable import disk_full, fsync_dir, write_durable
+from .durable import disk_full, dump
 from .finite import nonfinite_tensors, refuse_nonfinite
 from .rng import rng_state, set_rng_state
 from .staging import HostBuffer, snapshot, tensors_in, to_host
+from .storage import Storage
+from .storage_folder import FolderStorage
 
 # Imported from here by tests and older code; they live in their own modules now.
 __all__ = ["Checkpointer", "Found", "open_folder", "rng_state", "set_rng_state", "nonfinite_tensors",
            "reusable_stager", "_stager_reuses"]
 
 
-def open_folder(ctx: DistContext, location: str, upload_timeout_s: float | None = None, **options: Any) -> Checkpointer:
-    """The BACKENDS factory for a plain folder path (a file:// URL goes through the object store
-    backend instead). `upload_timeout_s` is an object store's: a folder commits without uploads."""
+def open_folder(ctx: DistContext, location: str | Path | Storage, upload_timeout_s: float | None = None,
+                **options: Any) -> Checkpointer:
+    """The backend for a storage every rank mounts (backend.open_backend: one with a local_root; a
+    file:// URL goes through the object store backend instead). `upload_timeout_s` is an object
+    store's: this backend commits without uploads."""
     return Checkpointer(ctx, location, **options)
 
 
 class Checkpointer:
     """Saves and finds checkpoints for one run. `async_save=True` writes in a background thread."""
 
-    def __init__(self, ctx: DistContext, ckpt_root: str | Path, keep_last: int = 3, async_save: bool = False,
+    def __init__(self, ctx: DistContext, ckpt_root: str | Path | Storage, keep_last: int = 3, async_save: bool = False,
                  timeout_s: float = 600.0, write_delay_s: float = 0.0):
-        self.ctx, self.root = ctx, Path(ckpt_root)
-        self.location = str(self.root)
+        where = FolderStorage(ckpt_root) if isinstance(ckpt_root, (str, Path)) else ckpt_root
+        if where.local_root is None:
+            raise ValueError(f"{where.location}: this backend writes in place, on a storage every rank mounts")
+        self.ctx, self.root = ctx, where.local_root
+        self._storage = where
+        self.stage: Storage = where  # where the ranks write a step's files before its commit
+        self.location = where.location
         self.keep_last, self.async_save, self.timeout_s = keep_last, async_save, timeout_s
         self.write_delay_s = write_delay_s
         self._thread: threading.Thread | None = None
@@ -81,6 +90,11 @@ class Checkpointer:
     # synchronous save returns once its files are staged, and the rest runs in the writer thread.
     ships_in_background = False
     private_staging = False  # whether each rank stages into a folder of its own (not shared with rank 0)
+
+    @property
+    def storage(self) -> Storage:
+        """The storage the steps are committed to (and read from)."""
+        return self._storage
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -144,7 +158,7 @@ class Checkpointer:
             self._group = dcp_files.gloo_group(self.timeout_s)
         return self._group
 
-    def _write_sharded(self, tmp: Path, sharded: dict, now: bool) -> Any:
+    def _write_sharded(self, tmp: Path, sharded: dict[str, Any], now: bool) -> Any:
         """Every rank writes its shards into tmp/dcp/: now (DCP's metadata), or from DCP's thread (a Future)."""
         group = self._dcp_group()
         if now:
@@ -153,9 +167,18 @@ class Checkpointer:
             self._stager = reusable_stager(self.ctx.device) or False
         return dcp_files.write(tmp, sharded, group, now=False, stager=self._stager)
 
+    def _stage_rel(self, step: int) -> str:
+        """Where on self.stage step `step` is written before its commit."""
+        return steps.staging_name(self.stage, step)
+
     def _stage_path(self, step: int) -> Path:
-        """The folder step `step` is written into before its commit."""
-        return self.root / layout.tmp_name(step)
+        """The local folder step `step` is written into before its commit."""
+        return self.root / self._stage_rel(step)
+
+    def _write(self, step: int, rel: str, obj: Any, delay_s: float = 0.0) -> dict[str, Any]:
+        """One file of step `step` into its staging name on self.stage, durably; {size, sha256}."""
+        with self.stage.open_write(f"{self._stage_rel(step)}/{rel}") as fh:
+            return dump(fh, obj, rel.endswith(".json"), delay_s)
 
     def _open_tmp(self, step: int) -> Path:
         """Rank 0 makes an empty .tmp_step_<N>/ (a killed save's leftovers go); the others wait for it."""
@@ -201,8 +224,8 @@ class Checkpointer:
                 self._stager.close()
             self._stager = None
 
-    def _commit(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any = None,
-                staged: tuple[Path, dict] | None = None) -> None:
+    def _commit(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any], shards: Any = None,
+                staged: tuple[Path, dict[str, Any]] | None = None) -> None:
         """Write (unless `staged` already: the staging folder and this rank's files) and commit step `step`."""
         try:
             stage, files = staged if staged is not None else self._stage(step, shared, per_rank, meta, shards)
@@ -215,7 +238,7 @@ class Checkpointer:
         if started is not None and committed is not False:  # list.append is atomic: the writer thread may be here
             self.committed.append((step, self._commit_at.pop(step, time.monotonic()) - started))
 
-    def _stage(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> tuple[Path, dict]:
+    def _stage(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any], shards: Any) -> tuple[Path, dict[str, Any]]:
         try:
             return self._write_local(step, shared, per_rank, meta, shards)
         except (OSError, RuntimeError) as exc:
@@ -223,7 +246,7 @@ class Checkpointer:
                 raise
             self._refuse_disk_full(step, shared, per_rank)
 
-    def _refuse_disk_full(self, step: int, shared: dict, per_rank: dict) -> None:
+    def _refuse_disk_full(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any]) -> None:
         # Nothing half-written stays behind; the committed checkpoints are untouched.
         tmp = self._stage_path(step)
         if self.ctx.is_main or self.private_staging:
@@ -242,7 +265,7 @@ class Checkpointer:
                         "free space on that disk, or lower keep_last; then rerun the same command to resume",
                         local=True) from None
 
-    def _write_local(self, step: int, shared: dict, per_rank: dict, meta: dict, shards: Any) -> tuple[Path, dict]:
+    def _write_local(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any], shards: Any) -> tuple[Path, dict[str, Any]]:
         """Write this rank's files of step `step` into its staging folder; returns it and {file: size, sha256}.
         `shards`: None, the sharded state dicts to write now, or an async save's Future (DCP writing)."""
         rank, world = self.ctx.rank, self.ctx.world_size
@@ -253,22 +276,22 @@ class Checkpointer:
             metadata = shards.result() if pending else self._write_sharded(tmp, shards, now=True)
             files.update(dcp_files.written(tmp, rank, metadata))
         own = layout.rank_file(rank)
-        files[own] = write_durable(tmp / own, per_rank, self.write_delay_s)
+        files[own] = self._write(step, own, per_rank, self.write_delay_s)
         if self.ctx.is_main:
             # The two big files are written side by side: serialization, checksums and fsync overlap.
             # model.pt only when a model is registered as "model" (e.g. not for a GAN's two models).
             with ThreadPoolExecutor(2, thread_name_prefix="ddp_kit-ckpt-write") as pool:
-                model_f = (pool.submit(write_durable, tmp / layout.MODEL, shared["model"], self.write_delay_s)
+                model_f = (pool.submit(self._write, step, layout.MODEL, shared["model"], self.write_delay_s)
                            if "model" in shared else None)
-                state_f = pool.submit(write_durable, tmp / layout.TRAIN_STATE,
+                state_f = pool.submit(self._write, step, layout.TRAIN_STATE,
                                       {k: v for k, v in shared.items() if k != "model"})
                 if model_f is not None:
                     files[layout.MODEL] = model_f.result()
                 files[layout.TRAIN_STATE] = state_f.result()
-            files[layout.META] = write_durable(tmp / layout.META, {**meta, "step": step, "world_size": world})
+            files[layout.META] = self._write(step, layout.META, {**meta, "step": step, "world_size": world})
         return tmp, files
 
-    def _gather(self, step: int, files: dict) -> dict:
+    def _gather(self, step: int, files: dict[str, Any]) -> dict[str, Any]:
         """Every rank posts `files` through the rendezvous store; rank 0 returns everyone's, merged
         (the others their own)."""
         store, world = self.ctx.store, self.ctx.world_size
@@ -287,7 +310,7 @@ class Checkpointer:
     def _gather_timeout_s(self) -> float:
         return self.timeout_s
 
-    def _manifest(self, step: int, files: dict) -> dict:
+    def _manifest(self, step: int, files: dict[str, Any]) -> dict[str, Any]:
         """The manifest of step `step` from every rank's `files` (rank 0)."""
         expected = files.pop(dcp_files.EXPECTED, [])
         lost = [f for f in expected if f not in files]
@@ -295,30 +318,15 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint {layout.step_name(step)}: DCP wrote {lost[:3]} but no rank reported it")
         return {"step": step, "world_size": self.ctx.world_size, "files": files}
 
-    def _finish(self, step: int, tmp: Path, files: dict) -> bool | None:
-        """Commit the staged step: rank 0 writes the manifest, renames the folder into place and points
-        `latest`; the others wait for it. (A backend whose commit can fail without an error returns False.)"""
+    def _finish(self, step: int, tmp: Path, files: dict[str, Any]) -> bool | None:
+        """Commit the staged step: rank 0 commits it (steps.commit) and prunes; the others wait for
+        it. (A backend whose commit can fail without an error returns False.)"""
         name = layout.step_name(step)
         store = self.ctx.store
         key = f"ddp_kit/ckpt/{name}"
         files = self._gather(step, files)
         if self.ctx.is_main:
-            write_durable(tmp / layout.MANIFEST, self._manifest(step, files))
-            if dcp_files.present(tmp):
-                fsync_dir(tmp / layout.DCP)
-            fsync_dir(tmp)
-            final = self.root / name
-            if final.exists():  # same step again (after a resume from an older one): replace it
-                trash = self.root / layout.trash_name(step)
-                shutil.rmtree(trash, ignore_errors=True)
-                os.replace(final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
-            # `latest` first: a kill between the two leaves `latest` naming a folder that is not
-            # there yet, and resume falls back to the one before; the other order would leave a
-            # complete step_N above `latest` that resume would take for an abandoned run's.
-            folder.point_latest(self.root, name)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
+            steps.commit(self.storage, step, self._manifest(step, files))
             self.prune(step)
             if store:
                 store.set(f"{key}/committed", "1")
@@ -330,46 +338,37 @@ class Checkpointer:
         return None
 
     def prune(self, newest: int) -> None:
-        """Drop all but the newest `keep_last` (the one just committed is always kept). Old folders are
-        renamed out of the way at once and deleted in the background: unlinking ~100 MB costs ~20 ms."""
-        for pattern in layout.LEFTOVERS:  # left by a process that exited mid-delete or mid-save
-            for old in self.root.glob(pattern):
-                shutil.rmtree(old, ignore_errors=True)
-        if self.keep_last < 1:
-            return
-        steps = sorted((s for s in folder.step_numbers(self.root) if s <= newest), reverse=True)
-        doomed = []
-        for s in steps[max(self.keep_last, 1):]:
-            trash = self.root / layout.trash_name(s)
-            os.replace(self.root / layout.step_name(s), trash)
-            doomed.append(trash)
-        if doomed:
-            threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed],
-                             name="ddp_kit-ckpt-retain", daemon=True).start()
+        """Drop a killed save's leftovers and all but the newest `keep_last` (the one just committed is
+        always kept): see steps.prune. A folder's steps are renamed out of the way at once and deleted
+        in the background (FolderStorage.remove)."""
+        steps.prune(self.storage, newest, self.keep_last)
 
     # ---- the pointer and the lineage ---------------------------------------------------------------
 
     def latest(self) -> int | None:
-        return folder.read_latest(self.root)
+        return steps.read_latest(self.storage)
 
     def latest_name(self) -> str:
-        return folder.latest_name(self.root)
+        return steps.latest_name(self.storage)
 
     def owns(self, found: Found) -> bool:
-        return found.path.resolve().parent == self.root.resolve()
+        return isinstance(found.path, Path) and found.path.resolve().parent == self.root.resolve()
 
     def archive(self, keep_upto: int | None, into: str | Path) -> list[int]:
-        """Rank 0 only: see folder.archive_abandoned."""
-        return folder.archive_abandoned(self.root, keep_upto, Path(into))
+        """Rank 0 only: see steps.archive_abandoned (`into`: a folder on the same file system)."""
+        target = self.storage.sibling(str(into))
+        if target is None:
+            raise ValueError(f"cannot archive the steps of {self.location} into {into}")
+        return steps.archive_abandoned(self.storage, keep_upto, target)
 
     # ---- finding and loading -------------------------------------------------------------------------
 
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
         """Rank 0 picks the checkpoint to resume from (auto: newest valid); every rank gets its choice."""
-        value = rank0_verdict(self.ctx, lambda: folder.choose(self.root, resume, warn))
+        value = rank0_verdict(self.ctx, lambda: steps.choose(self.storage, resume, warn, None))
         return Found(Path(value[0]), value[1]) if value else None
 
-    def load_sharded(self, found: Found, template: dict, before_read: Callable[[set[str]], None] | None = None) -> None:
+    def load_sharded(self, found: Found, template: dict[str, Any], before_read: Callable[[set[str]], None] | None = None) -> None:
         """Fill `template` (this rank's sharded state dicts) from found/dcp/, whatever world size wrote it
         (`before_read`: told the dcp/ files this rank reads, before they are opened)."""
         if not all_true(self.ctx, dcp_files.present(found.path)):  # one verdict, before DCP's collectives
@@ -383,7 +382,7 @@ class Checkpointer:
         """The flattened keys a sharded checkpoint holds (e.g. "optimizer.state.fc.weight.exp_avg")."""
         return dcp_files.keys(found.path)
 
-    def load(self, found: Found) -> tuple[dict, dict | None, dict]:
+    def load(self, found: Found) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
         """(shared state, this rank's per-rank state or None, meta), on CPU: load_state_dict copies each
         tensor to its device once, so the model is never held twice on the GPU."""
         shared = torch.load(found.path / layout.TRAIN_STATE, map_location="cpu", weights_only=True)
@@ -391,7 +390,7 @@ class Checkpointer:
             shared["model"] = torch.load(found.path / layout.MODEL, map_location="cpu", weights_only=True)
         own = found.path / layout.rank_file(self.ctx.rank)
         per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
-        return shared, per_rank, folder.read_meta(found.path)
+        return shared, per_rank, json.loads((found.path / layout.META).read_text())
 
 
 def _nbytes(obj: Any) -> int:

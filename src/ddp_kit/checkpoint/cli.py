@@ -4,9 +4,11 @@
     python -m ddp_kit.checkpoint export RUN_DIR|URL --out model.pt [--step N|latest] [--name model]
     python -m ddp_kit.checkpoint export RUN_DIR|URL --out model.safetensors [--format safetensors]
 
-A URL is a run's ckpt_dir on an object store (s3://bucket/prefix, gs://, az://, file:///path), read
-through the same code as the run (store.py), with no process group. On a store `list` checks each
-step's manifest and object sizes; `export` downloads the step and verifies every checksum first.
+RUN_DIR is a run folder (its checkpoints/), a checkpoints folder, or a run's ckpt_dir URL
+(s3://bucket/prefix, gs://, az://, file:///path). Either is opened through the storage registry
+(backend.open_storage) and read through the same code as the run (steps.py), with no process group.
+Where the storage is not local (a URL), `list` checks each step's manifest and object sizes, and
+`export` downloads the step and verifies every checksum first.
 `--format safetensors` (the default for an --out ending in .safetensors) writes the whole model
 without pickle, the checkpoint's step, strategy and config hash in its header (weights.py).
 """
@@ -18,10 +20,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..errors import EXIT_USER_ERROR, UserError
-from . import layout, weights
-from .folder import list_checkpoints, read_meta, validate
+from . import layout, steps, weights
+from .backend import open_storage, scheme_of
+from .storage import Storage
 
 LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
 FORMATS = ("pt", "safetensors")
@@ -71,68 +75,40 @@ def _step(step) -> int | str | None:
     raise UserError(f"--step expects a step number, step_N or 'latest'; got {step!r}", f"e.g. --step latest; {LIST_HINT}")
 
 
-def _latest(root: Path) -> Path:
-    """The checkpoint `root/latest` names; the save protocol writes that file last."""
-    f = root / layout.LATEST
-    try:
-        name = f.read_text().strip()
-    except FileNotFoundError:
-        raise UserError(f"--step latest: there is no 'latest' file under {str(root)!r}", f"pass a step number; {LIST_HINT}") from None
-    except OSError as exc:
-        raise UserError(f"--step latest: cannot read {str(f)!r} ({exc.strerror or exc})", f"pass a step number; {LIST_HINT}") from None
-    if layout.step_of(name) is None:
-        raise UserError(f"--step latest: {str(f)!r} does not name a checkpoint (it holds {name[:40]!r})",
-                        f"pass a step number; {LIST_HINT}")
-    if not (root / name).is_dir():
-        raise UserError(f"--step latest: {str(f)!r} names {name}, which does not exist", f"pass a step number; {LIST_HINT}")
-    return root / name
+def _location(run_dir: str) -> str:
+    """The checkpoints location RUN_DIR names: a URL as it is; a folder's checkpoints/ when it has one."""
+    return run_dir if scheme_of(run_dir) else str(_root(run_dir))
 
 
-def _store(url: str):
-    from .store_fs import open_store
-
-    return open_store(url)
+def _list_hint(run_dir: str, storage: Storage) -> str:
+    return f"see `python -m ddp_kit.checkpoint list {storage.location}`" if scheme_of(run_dir) else LIST_HINT
 
 
-def _store_error(url: str, exc: Exception) -> UserError:
+def _refusal(storage: Storage, exc: Exception) -> Exception:
+    """A store's error in one line (refusal: missing bucket, credentials...); a local folder's as it is."""
+    if storage.local_root is not None or isinstance(exc, UserError):
+        return exc
     from .store_fs import refusal
 
-    return refusal(url, exc, "read")
-
-
-def _list_store(url: str) -> None:
-    from . import store
-
-    where = _store(url)
-    try:
-        rows, latest = store.list_checkpoints(where), store.read_latest(where)
-    except Exception as exc:
-        raise _store_error(url, exc) from None
-    if not rows:
-        raise UserError(f"no checkpoints under {where.url!r}", "pass the ckpt_dir of a run that saved some")
-    print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  url")
-    for step, at, reason, size, world in rows:
-        mark = " (latest)" if step == latest else ""
-        print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world if reason is None else '?':>5}  "
-              f"{size:>10}  {at}{mark}" + (f"  -- {reason}" if reason else ""))
+    return refusal(storage.location, exc, "read")
 
 
 def list_(run_dir: str) -> None:
     """Print every checkpoint of RUN_DIR (or a ckpt_dir URL), newest first, with its validity."""
-    if "://" in str(run_dir):
-        return _list_store(str(run_dir))
-    root = _root(run_dir)
-    rows = list_checkpoints(root)
+    arg = str(run_dir)
+    storage = open_storage(_location(arg))
+    try:
+        rows, latest = steps.list_checkpoints(storage), steps.read_latest(storage)
+    except Exception as exc:
+        raise _refusal(storage, exc) from None
     if not rows:
-        raise UserError(f"no checkpoints under {str(root)!r}", "pass the run_dir of a run that saved some")
-    latest = (root / layout.LATEST).read_text().strip() if (root / layout.LATEST).exists() else None
-    print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  path")
-    for step, path, reason in rows:
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        world = read_meta(path).get("world_size", "?") if reason is None else "?"
-        mark = " (latest)" if path.name == latest else ""
-        print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world:>5}  {size:>10}  {path}{mark}"
-              + (f"  -- {reason}" if reason else ""))
+        raise UserError(f"no checkpoints under {storage.location!r}",
+                        f"pass the {'ckpt_dir' if scheme_of(arg) else 'run_dir'} of a run that saved some")
+    print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  {'url' if scheme_of(arg) else 'path'}")
+    for step, at, reason, size, world in rows:
+        mark = " (latest)" if step == latest else ""
+        print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world if reason is None else '?':>5}  "
+              f"{size:>10}  {at}{mark}" + (f"  -- {reason}" if reason else ""))
 
 
 def _format(format, dest: Path) -> str:
@@ -156,73 +132,68 @@ def export(run_dir: str, out: str, step: int | str | None = None, name: str = "m
     names) as a plain state_dict file: torch.save (--format pt) or safetensors (--format safetensors,
     the default for --out *.safetensors). A sharded (strategy fsdp) checkpoint is assembled in this
     process; `name` picks another registered model of it (e.g. model_1). RUN_DIR may be a ckpt_dir URL."""
-    if "://" in str(run_dir):
-        dest, step = _out_path(out), _step(step)
-        fmt = _format(format, dest)
-        with tempfile.TemporaryDirectory(prefix="ddp_kit-export-") as cache:
-            path = _fetch_from_store(str(run_dir), step, Path(cache))
-            return _write_export(path, dest, str(name), f"{str(run_dir).rstrip('/')}/{path.name}", fmt)
-    root = _run_dir(run_dir)
+    arg = str(run_dir)
+    given = None if scheme_of(arg) else _run_dir(arg)
     dest = _out_path(out)
     fmt = _format(format, dest)
     step = _step(step)
-
-    if (root / layout.MANIFEST).exists() or (root / layout.MODEL).exists():  # RUN_DIR is a step folder
-        path = root
-    elif step == "latest":
-        path = _latest(_root(run_dir))
+    if given is not None and ((given / layout.MANIFEST).exists() or (given / layout.MODEL).exists()):
+        storage, chosen = open_storage(str(given.parent)), given.name  # RUN_DIR is a step folder
     else:
-        every = [row for row in list_checkpoints(_root(run_dir)) if step is None or row[0] == step]
-        valid = [p for _, p, reason in every if reason is None]
-        if not valid:
-            why = f" ({every[0][1].name}: {every[0][2]})" if every else ""
-            raise UserError(f"no valid checkpoint{'' if step is None else f' at step {step}'} under {str(run_dir)!r}{why}",
-                            LIST_HINT)
-        path = valid[0]
-        for _, skipped, reason in every:  # newest first: the damaged ones above the export are said, as resume says them
-            if skipped == path:
-                break
-            print(f"ddp_kit: warning: checkpoint {skipped.name} is not usable ({reason}); exporting {path.name} instead",
-                  file=sys.stderr, flush=True)
-    reason = validate(path)
-    if reason:
-        raise UserError(f"checkpoint {str(path)!r} is not valid: {reason}", f"export another step; {LIST_HINT}")
-    _write_export(path, dest, str(name), fmt=fmt)
+        storage, chosen = open_storage(_location(arg)), None
+    with tempfile.TemporaryDirectory(prefix="ddp_kit-export-") as cache:
+        try:
+            picked = _pick(storage, arg, step, chosen, Path(cache))
+        except Exception as exc:
+            raise _refusal(storage, exc) from None
+        local = storage.local_root / picked if storage.local_root is not None else Path(cache) / picked
+        _write_export(local, dest, str(name), storage.locate(picked), fmt)
 
 
-def _fetch_from_store(url: str, step: int | str | None, cache: Path) -> Path:
-    """The step of a store to export, downloaded into `cache` and verified: the newest valid one (the
-    damaged ones above it said, as for a folder), the one `latest` names, or step `step`."""
-    from . import store
-
-    where = _store(url)
-    hint = f"see `python -m ddp_kit.checkpoint list {where.url}`"
-    try:
-        objects = store.listing(where)
-        if step == "latest":
-            latest = store.read_latest(where)
-            if latest is None:
-                raise UserError(f"--step latest: there is no 'latest' object under {where.url!r}", f"pass a step number; {hint}")
-            candidates = [latest]
-        else:
-            candidates = sorted((s for s in store.by_step(objects) if step is None or s == step), reverse=True)
-        skipped = []
-        for s in candidates:
-            name = layout.step_name(s)
-            reason = store.validate(where, s, objects, cache / name)
-            if reason is None:
-                for what, why in skipped:
-                    print(f"ddp_kit: warning: checkpoint {what} is not usable ({why}); exporting {name} instead",
-                          file=sys.stderr, flush=True)
-                return cache / name
-            skipped.append((name, reason))
-    except UserError:
-        raise
-    except Exception as exc:
-        raise _store_error(url, exc) from None
+def _pick(storage: Storage, arg: str, step: int | str | None, chosen: str | None, cache: Path) -> str:
+    """The step folder to export, verified (downloaded into `cache` where the storage is not local):
+    `chosen`, the one `latest` names, step `step`, or the newest valid one (the damaged ones above it
+    said, as resume says them)."""
+    hint = _list_hint(arg, storage)
+    if chosen is None and step == "latest":
+        chosen = _latest(storage, hint)
+    if chosen is not None:
+        reason, _ = steps.validate(storage, chosen, storage.listing(chosen), cache / chosen)
+        if reason:
+            raise UserError(f"checkpoint {storage.locate(chosen)!r} is not valid: {reason}", f"export another step; {hint}")
+        return chosen
+    objects = steps.objects(storage)
+    skipped: list[tuple[str, str]] = []
+    for s in sorted((s for s in steps.by_step(objects) if step is None or s == step), reverse=True):
+        name = layout.step_name(s)
+        reason, _ = steps.validate(storage, name, objects, cache / name)
+        if reason is None:
+            for what, why in skipped:
+                print(f"ddp_kit: warning: checkpoint {what} is not usable ({why}); exporting {name} instead",
+                      file=sys.stderr, flush=True)
+            return name
+        skipped.append((name, reason))
     why = f" ({skipped[0][0]}: {skipped[0][1]})" if skipped else ""
     which = "" if step is None else f" at step {step}"
-    raise UserError(f"no valid checkpoint{which} under {where.url!r}{why}", hint)
+    raise UserError(f"no valid checkpoint{which} under {storage.location if scheme_of(arg) else arg!r}{why}", hint)
+
+
+def _latest(storage: Storage, hint: str) -> str:
+    """The step folder `latest` names; the save protocol points it before the step's commit."""
+    where = storage.locate(layout.LATEST)
+    try:
+        name = storage.read_bytes(layout.LATEST).decode(errors="replace").strip()
+    except FileNotFoundError:
+        raise UserError(f"--step latest: there is no 'latest' {storage.object_word} under {storage.location!r}",
+                        f"pass a step number; {hint}") from None
+    except OSError as exc:
+        raise UserError(f"--step latest: cannot read {where!r} ({exc.strerror or exc})", f"pass a step number; {hint}") from None
+    if layout.step_of(name) is None:
+        raise UserError(f"--step latest: {where!r} does not name a checkpoint (it holds {name[:40]!r})",
+                        f"pass a step number; {hint}")
+    if not storage.listing(name):
+        raise UserError(f"--step latest: {where!r} names {name}, which does not exist", f"pass a step number; {hint}")
+    return name
 
 
 def _write_export(path: Path, dest: Path, name: str, shown: str | None = None, fmt: str = "pt") -> None:
@@ -231,7 +202,7 @@ def _write_export(path: Path, dest: Path, name: str, shown: str | None = None, f
 
     state = _read_object(path, name)
     if fmt == "safetensors":
-        meta = read_meta(path) if (path / layout.META).is_file() else {}
+        meta = json.loads((path / layout.META).read_text()) if (path / layout.META).is_file() else {}
         head = weights.save_weights(state, dest, weights.header(meta, name), what=f"{name!r} of {path.name}")
         shared = json.loads(head.get("shared", "{}"))
         note = f"; {len(shared)} sharing memory, each written whole: {', '.join(sorted(shared))[:200]}" if shared else ""
@@ -256,7 +227,7 @@ def _write_export(path: Path, dest: Path, name: str, shown: str | None = None, f
     print(f"exported {len(state)} entries ({tensors} tensors) of {name!r} from {shown or path} to {dest}")
 
 
-def _read_object(path: Path, name: str) -> dict:
+def _read_object(path: Path, name: str) -> dict[str, Any]:
     """The saved object `name` of a checkpoint, whole: the model from model.pt, a sharded object
     (strategy fsdp) assembled from dcp/, anything else (an optimizer under DDP, a scheduler, a
     second replicated model) from train_state.pt."""
@@ -283,7 +254,7 @@ def _dcp_names(path: Path) -> list[str]:
     return sorted({k.split(".", 1)[0] for k in read_dcp_metadata(path / layout.DCP).state_dict_metadata})
 
 
-def _consolidate(path: Path, name: str = "model") -> dict:
+def _consolidate(path: Path, name: str = "model") -> dict[str, Any]:
     """The whole `name` state dict of a sharded (strategy fsdp) checkpoint, read from its dcp/ folder
     in this one process: no GPU, no process group, any world size that wrote it."""
     import warnings

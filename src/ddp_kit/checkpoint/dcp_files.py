@@ -24,7 +24,7 @@ def gloo_group(timeout_s: float) -> Any:
     return tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if tdist.is_initialized() else None
 
 
-def write(step_dir: Path, sharded: dict, group: Any, now: bool, stager: Any = None) -> Any:
+def write(step_dir: Path, sharded: dict[str, Any], group: Any, now: bool, stager: Any = None) -> Any:
     """Every rank writes its shards into step_dir/dcp/: now (returns DCP's metadata), or from DCP's
     thread (returns a Future), staged by `stager` when one is given."""
     import torch.distributed.checkpoint as dcp
@@ -63,7 +63,7 @@ def keys(step_dir: Path) -> set[str]:
     return set(safe_load.read_dcp_metadata(step_dir / layout.DCP).state_dict_metadata) if present(step_dir) else set()
 
 
-def load(step_dir: Path, template: dict, group: Any, before_read: Callable[[set[str]], None] | None = None) -> None:
+def load(step_dir: Path, template: dict[str, Any], group: Any, before_read: Callable[[set[str]], None] | None = None) -> None:
     """Fill `template` from step_dir/dcp/ (collective over `group`), through the allow-listed reader
     (`before_read`: see safe_load.reader)."""
     import torch.distributed.checkpoint as dcp

@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -52,19 +52,26 @@ class _HashingWriter(io.RawIOBase):
         return self.sha.hexdigest()
 
 
-def write_durable(path: Path, obj: Any, delay_s: float = 0.0) -> dict:
+def dump(raw: IO[bytes], obj: Any, as_json: bool, delay_s: float = 0.0) -> dict[str, Any]:
+    """torch.save `obj` (or dump it as JSON) into the stream `raw`, checksumming as it goes; return
+    {size, sha256}. The stream's owner makes it durable (storage.Storage.open_write)."""
+    w = _HashingWriter(raw)
+    if as_json:
+        w.write(json.dumps(obj, indent=1, sort_keys=True).encode())
+    else:
+        torch.save(obj, w)
+    if delay_s:
+        time.sleep(delay_s)  # test hook: make the window for a kill-during-save wide
+    return {"size": w.size, "sha256": w.digest()}
+
+
+def write_durable(path: Path, obj: Any, delay_s: float = 0.0) -> dict[str, Any]:
     """torch.save `obj` (or dump JSON for dicts destined to .json) durably; return {size, sha256}."""
     with open(path, "wb") as raw:
-        w = _HashingWriter(raw)
-        if path.suffix == ".json":
-            w.write(json.dumps(obj, indent=1, sort_keys=True).encode())
-        else:
-            torch.save(obj, w)
-        if delay_s:
-            time.sleep(delay_s)  # test hook: make the window for a kill-during-save wide
+        digest = dump(raw, obj, path.suffix == ".json", delay_s)
         raw.flush()
         os.fsync(raw.fileno())
-    return {"size": w.size, "sha256": w.digest()}
+    return digest
 
 
 def fsync_dir(path: Path) -> None:
@@ -93,7 +100,7 @@ def sha256_of(path: Path) -> str:
     return sha.hexdigest()
 
 
-def file_digest(path: Path) -> dict:
+def file_digest(path: Path) -> dict[str, Any]:
     """{size, sha256} of a file already on disk, as a manifest records it."""
     return {"size": path.stat().st_size, "sha256": sha256_of(path)}
 

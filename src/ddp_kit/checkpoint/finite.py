@@ -36,7 +36,7 @@ def refuse_nonfinite(ctx: DistContext, step: int, shared: dict[str, Any], sharde
                         f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); last checkpoint: {last()}", _HINT)
 
 
-def nonfinite_tensors(state: dict) -> list[str]:
+def nonfinite_tensors(state: dict[str, Any]) -> list[str]:
     """Names of the floating tensors in `state` holding NaN or inf. One flag per tensor, computed on
     its device and stacked, then read once per device (on a GPU one host sync, not one per tensor)."""
     named: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}

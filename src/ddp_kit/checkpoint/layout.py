@@ -14,15 +14,16 @@
     <root>/.trash_step_<N>/      a step being deleted (pruned or replaced)
     <archive>/<YYYYmmddTHHMMSS>/ the steps of an abandoned run, moved aside whole
 
-On an object store (object_store.py) the same names are key prefixes under the URL, with no
-.tmp_/.trash_ names (nothing is renamed): a step's objects without its manifest are a killed or
-failed save's, removed by the next prune; and two more:
+On a storage without rename (an object store: store_fs.py) the same names are key prefixes under
+the URL, with no .tmp_/.trash_ names (nothing is renamed): a step's objects without its manifest
+are a killed or failed save's, removed by the next prune; and two more:
     <url>/archive/<time>/step_<N>/  ARCHIVE: an abandoned run's steps, copied there and deleted
     <url>/.probe.<token>         PROBE_PREFIX: written at startup by rank 0, read by every rank, deleted
     <url>/.lease.<generation>    LEASE_PREFIX: the one job writing here (checkpoint/lease.py)
 
-Every module that reads or writes these (the backends, the CLI, safe loading) spells them through
-this one. The names on disk never change: checkpoints written by any earlier ddp_kit still load.
+Every module that reads or writes these (steps.py, the storages, the backends, the CLI, safe
+loading) spells them through this one. The names on disk never change: checkpoints written by any
+earlier ddp_kit still load.
 A backend without folders (an object store) uses the same names as key prefixes.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ def member_problem(name: object) -> str | None:
     if (len(parts) > 2 or (len(parts) == 2 and parts[0] != DCP) or any(p in ("", ".", "..") for p in parts)
             or "\\" in name or not name.isprintable() or name in (DCP, MANIFEST) or len(name.encode()) > 200
             or parts[-1].startswith((".lock", ".verified")) or parts[-1].endswith((".part", ".tmp"))):
-        # the last: a reader's own bookkeeping beside the files (store.fetch's download folder)
+        # the last: a reader's own bookkeeping beside the files (steps.fetch's download folder)
         return f"names {name[:80]!r}, which is not a file inside the step"
     return None
 

@@ -90,7 +90,7 @@ def identity(job_id: str | None, batch_job_id: str | None, restart_count: int = 
             "restart_count": int(restart_count or 0)}
 
 
-def newest(store: Store) -> tuple[int, dict] | None:
+def newest(store: Store) -> tuple[int, dict[str, Any]] | None:
     """(generation, record) of the newest lease under the location; None when there is none. A record
     that cannot be read (being written, or a writer killed half-way) counts as renewed when the object
     was last modified: its ttl runs out like any other's."""
@@ -118,18 +118,18 @@ def newest(store: Store) -> tuple[int, dict] | None:
     return None
 
 
-def _same_process_space(record: dict, me: dict) -> bool:
+def _same_process_space(record: dict[str, Any], me: dict[str, Any]) -> bool:
     """Whether pids in `record` name processes this one can see: the same host, boot and pid namespace."""
     return all(record.get(k) is not None and record.get(k) == me.get(k) for k in ("host", "boot_id", "pidns"))
 
 
-def _alive(record: dict) -> bool:
+def _alive(record: dict[str, Any]) -> bool:
     """Whether the recorded process still runs (same process space only): its pid with its start time."""
     pid = record.get("pid")
     return isinstance(pid, int) and _start_time(pid) is not None and _start_time(pid) == record.get("start")
 
 
-def gone_why(record: dict, me: dict, now: float) -> str | None:
+def gone_why(record: dict[str, Any], me: dict[str, Any], now: float) -> str | None:
     """Why the holder of `record` no longer holds the location; None when it does or may."""
     if record.get("released"):
         return "a job that has released it"
@@ -146,7 +146,7 @@ def gone_why(record: dict, me: dict, now: float) -> str | None:
     return None
 
 
-def describe_holder(record: dict, now: float) -> str:
+def describe_holder(record: dict[str, Any], now: float) -> str:
     jobs = ", ".join(f"{k.replace('_', ' ')} {record[k]}" for k in ("job_id", "batch_job_id") if record.get(k))
     age = now - float(record.get("renewed", now))
     return (f"host {record.get('host', '?')}, pid {record.get('pid', '?')}{', ' + jobs if jobs else ''}, "
@@ -183,12 +183,12 @@ def create_only(store: Store, path: str, body: bytes) -> bool:
         raise
 
 
-def _record(me: dict, ttl_s: float, generation: int, token: str, **more: Any) -> bytes:
+def _record(me: dict[str, Any], ttl_s: float, generation: int, token: str, **more: Any) -> bytes:
     return json.dumps({**me, "generation": generation, "token": token, "renewed": time.time(), "ttl_s": ttl_s,
                        **more}).encode()
 
 
-def _read_record(store: Store, generation: int) -> dict | None:
+def _read_record(store: Store, generation: int) -> dict[str, Any] | None:
     try:
         record = json.loads(store.fs.cat_file(store.path(lease_name(generation))))
         return record if isinstance(record, dict) else None
@@ -196,7 +196,7 @@ def _read_record(store: Store, generation: int) -> dict | None:
         return None
 
 
-def _watch(store: Store, held: int, record: dict, me: dict, say) -> str | None:
+def _watch(store: Store, held: int, record: dict[str, Any], me: dict[str, Any], say) -> str | None:
     """Wait until the holder of generation `held` renews (None: it is alive) or its ttl runs out (why
     it is gone). At most ttl / RENEW_PARTS plus a margin for a live holder, the ttl for a dead one."""
     ttl = float(record.get("ttl_s", LEASE_TTL_S))
@@ -216,7 +216,7 @@ def _watch(store: Store, held: int, record: dict, me: dict, say) -> str | None:
     return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which stopped renewing (ttl {ttl:g}s)"
 
 
-def acquire(store: Store, me: dict, ttl_s: float = LEASE_TTL_S, say=None) -> tuple[int, str]:
+def acquire(store: Store, me: dict[str, Any], ttl_s: float = LEASE_TTL_S, say=None) -> tuple[int, str]:
     """Take the location for this job (rank 0, before anything is written); returns the generation held
     and this holder's token. Refused in one line, naming the holder, when another job holds it."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -280,7 +280,7 @@ def abort_incomplete_uploads(store: Store) -> int:
         marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
 
-def taken_by(store: Store, generation: int, token: str) -> dict | None:
+def taken_by(store: Store, generation: int, token: str) -> dict[str, Any] | None:
     """None while this holder's record (`generation`, `token`) is the newest lease; else the record that
     replaced it (a newer generation, or its own overwritten), or {} when it is gone altogether."""
     found = newest(store)
@@ -297,7 +297,7 @@ class LeaseKeeper:
     released at close (not deleted: generation numbers only grow, so a holder taken over while frozen
     never finds itself the newest again)."""
 
-    def __init__(self, store: Store, me: dict, ttl_s: float = LEASE_TTL_S):
+    def __init__(self, store: Store, me: dict[str, Any], ttl_s: float = LEASE_TTL_S):
         self.store, self.me, self.ttl_s = store, me, ttl_s
         self.generation, self.token = acquire(store, me, ttl_s)
         self._lock = threading.Lock()  # one writer of our record at a time: renewal or release

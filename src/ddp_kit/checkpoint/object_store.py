@@ -1,18 +1,19 @@
 """The object store checkpoint backend (s3://, gs://, az://, file://, memory://, through fsspec): the
-folder backend's save (checkpointer.py: host snapshot, per-rank files, checksums posted through the
-rendezvous store) with a commit that needs no rename and no shared disk.
+in-place backend's save (checkpointer.py: host snapshot, per-rank files, checksums posted through the
+rendezvous store), staged on a node-local disk and uploaded: no shared disk needed. The commit is
+the same (steps.commit), on a storage without rename.
 
     every rank   writes its files into a node-local staging folder (under $TMPDIR, one per run and
                  rank); the loop waits only for that (async_ckpt: only for the host copy)
                  uploads them to <url>/step_<N>/ in the writer thread, each retried with backoff,
                  and posts {file: size, sha256} (or why its upload failed) through the rendezvous store
-    rank 0       checks that every object is listed with its size, points `latest` at the step, uploads
-                 the manifest, then prunes (orphans, keep_last), then tells the others
+    rank 0       checks that every object is listed with its size, commits (steps.commit: `latest`, then
+                 the manifest), then prunes (orphans, keep_last), then tells the others
     resume       rank 0 lists the store, trusts `latest` as the upper bound, checks a step's manifest
                  and sizes against the listing, downloads it into a node-local cache and verifies
                  the checksums there; every other rank downloads what it reads and verifies it too
 
-A crash at any point leaves only objects no manifest vouches for (store.prune removes them). A save
+A crash at any point leaves only objects no manifest vouches for (steps.prune removes them). A save
 whose upload fails is not committed: one line, and training goes on; the run stops only when no
 checkpoint has committed for `upload_timeout_s` (Policy.ckpt_upload_timeout_s).
 """
@@ -34,10 +35,12 @@ from typing import Any
 from ..dist import DistContext
 from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..errors import UserError
-from . import layout, store
+from . import layout, steps
 from .backend import Found
 from .checkpointer import Checkpointer, _td
 from .lease import LEASE_TTL_S, LeaseKeeper, identity
+from .storage import Storage
+from .storage_folder import FolderStorage
 from .store_fs import Store, describe, open_store, refusal
 
 UPLOADS = 4  # objects one rank sends at once
@@ -48,7 +51,7 @@ _ERROR = ".upload_error/rank"  # posted instead of a rank's files when its uploa
 _FAILED, _STOP = "failed", "stop"
 
 
-def open_object_store(ctx: DistContext, location: str, keep_last: int = 3, async_save: bool = False,
+def open_object_store(ctx: DistContext, location: Storage | str, keep_last: int = 3, async_save: bool = False,
                       timeout_s: float = 600.0, write_delay_s: float = 0.0,
                       upload_timeout_s: float = 1800.0, lease_ttl_s: float = LEASE_TTL_S) -> ObjectStoreCheckpointer:
     """The BACKENDS factory for URLs. Opening is local (a rank may open the backend alone, to read
@@ -135,7 +138,7 @@ def probe(ctx: DistContext, where: Store) -> None:
 
 def local_area(url: str, rank: int | None) -> Path:
     """This process's node-local folder for `url` (rank `rank`'s saves being uploaded), or with rank None
-    the node's download cache, which the ranks of a node share (store.fetch: one download per node).
+    the node's download cache, which the ranks of a node share (steps.fetch: one download per node).
     The staging folder names its process: a second job refused on the same node must not touch the
     first one's uploads. The host is in the name in case TMPDIR is on a shared file system."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:12]
@@ -154,6 +157,10 @@ def _remove_dead_staging(area: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
+class _GaveUp(Exception):
+    """A write of a commit failed every try (its message: why)."""
+
+
 class ObjectStoreCheckpointer(Checkpointer):
     """Checkpoints of one run at an fsspec URL. `root` is this rank's node-local staging folder;
     `location` the URL."""
@@ -161,7 +168,7 @@ class ObjectStoreCheckpointer(Checkpointer):
     ships_in_background = True
     private_staging = True
 
-    def __init__(self, ctx: DistContext, where: Store | str, keep_last: int = 3, async_save: bool = False,
+    def __init__(self, ctx: DistContext, where: Storage | str, keep_last: int = 3, async_save: bool = False,
                  timeout_s: float = 600.0, write_delay_s: float = 0.0, upload_timeout_s: float = 1800.0,
                  lease_ttl_s: float = LEASE_TTL_S):
         self._problem: UserError | None = None
@@ -170,14 +177,16 @@ class ObjectStoreCheckpointer(Checkpointer):
                 where = open_store(where)
             except UserError as err:  # said at the first collective call (check_every_rank), or by latest()
                 self._problem = err
+        if not isinstance(where, (str, Store)):  # the lease and the probe speak fsspec
+            raise ValueError(f"{where.location}: the upload backend needs an fsspec store")
         url = where.url if isinstance(where, Store) else where
         self.local = local_area(url, ctx.rank)
         shutil.rmtree(self.local, ignore_errors=True)
         _remove_dead_staging(self.local)  # a killed process's uploads never resume: its staging goes
         # Not emptied here: another rank of this node may be downloading into it already. Whatever a
-        # killed process left is verified before use (store.fetch) and emptied at the first save.
+        # killed process left is verified before use (steps.fetch) and emptied at the first save.
         self.cache = local_area(url, None)
-        super().__init__(ctx, self.local / "stage", keep_last=keep_last, async_save=async_save,
+        super().__init__(ctx, FolderStorage(self.local / "stage"), keep_last=keep_last, async_save=async_save,
                          timeout_s=timeout_s, write_delay_s=write_delay_s)
         self._store, self.location = (where if isinstance(where, Store) else None), url
         self._checked = False
@@ -191,8 +200,13 @@ class ObjectStoreCheckpointer(Checkpointer):
     @property
     def store(self) -> Store:
         if self._store is None:
-            raise self._problem
+            raise self._problem or ValueError(f"{self.location}: no store")
         return self._store
+
+    @property
+    def storage(self) -> Storage:
+        """The location's storage (the staging folder is self.stage)."""
+        return self.store
 
     def _check(self) -> None:
         """Collective, once: see check_every_rank."""
@@ -210,8 +224,8 @@ class ObjectStoreCheckpointer(Checkpointer):
             self._fetched.clear()
         super().save(step, shared, per_rank, meta, sharded)
 
-    def _stage_path(self, step: int) -> Path:
-        return self.root / layout.step_name(step)
+    def _stage_rel(self, step: int) -> str:
+        return layout.step_name(step)  # this rank's own local folder: nothing else is ever read there
 
     def _open_tmp(self, step: int) -> Path:
         """This rank's own empty staging folder: no other rank writes or waits for it."""
@@ -225,7 +239,7 @@ class ObjectStoreCheckpointer(Checkpointer):
         # peer-loss watchdog's to report, sooner
         return self.timeout_s + (self.upload_timeout_s or 86400.0)
 
-    def _finish(self, step: int, tmp: Path, files: dict) -> bool:
+    def _finish(self, step: int, tmp: Path, files: dict[str, Any]) -> bool:
         """Upload this rank's files, then rank 0 commits (manifest, then `latest`) or gives the step
         up; every rank returns whether it committed, or raises when the run must stop."""
         key = f"ddp_kit/ckpt/{layout.step_name(step)}/committed"
@@ -250,14 +264,14 @@ class ObjectStoreCheckpointer(Checkpointer):
             raise UserError(message, hint, verdict=True)
         return outcome != _FAILED
 
-    def _upload(self, step: int, tmp: Path, files: dict) -> str | None:
-        """This rank's files to <url>/step_<N>/; None, or why one of them did not get there."""
-        name = layout.step_name(step)
+    def _upload(self, step: int, tmp: Path, files: dict[str, Any]) -> str | None:
+        """This rank's files to the step's staging name on the store (<url>/step_<N>/: no rename); None,
+        or why one of them did not get there."""
+        name = steps.staging_name(self.storage, step)
         names = [n for n in files if (tmp / n).is_file()]
 
         def one(n: str) -> str | None:
-            return self._put(lambda: self.store.fs.put_file(str(tmp / n), self.store.path(name, n)),
-                             self.store.url_of(name, n))
+            return self._put(lambda: self.storage.put(tmp / n, f"{name}/{n}"), self.storage.locate(f"{name}/{n}"))
 
         with ThreadPoolExecutor(UPLOADS, thread_name_prefix="ddp_kit-ckpt-put") as pool:
             return next((e for e in pool.map(one, names) if e), None)
@@ -280,35 +294,37 @@ class ObjectStoreCheckpointer(Checkpointer):
                 time.sleep(pause)
         return None
 
-    def _publish(self, step: int, files: dict) -> list[str]:
-        """Rank 0: the manifest, once every object it names is listed with its size; then `latest`;
-        then prune. Returns [] once committed, else [why not]."""
+    def _attempt(self, action: Callable[[], object], url: str) -> None:
+        """steps.commit's writes, each retried (_put); raises _GaveUp when one fails every time."""
+        error = self._put(action, url)
+        if error:
+            raise _GaveUp(error)
+
+    def _publish(self, step: int, files: dict[str, Any]) -> list[str]:
+        """Rank 0: the commit (steps.commit), once every object the manifest names is listed with its
+        size; then prune. Returns [] once committed, else [why not]."""
         name = layout.step_name(step)
+        staged = steps.staging_name(self.storage, step)
         manifest = self._manifest(step, files)
-        step_store = Store(self.store.fs, self.store.path(name), self.store.url_of(name))
         try:
-            have = store.listing(step_store)
+            have = self.storage.listing(staged)
         except Exception as exc:
-            return [f"listing {step_store.url} failed ({describe(exc)})"]
+            return [f"listing {self.storage.locate(staged)} failed ({describe(exc)})"]
         for rel, want in sorted(manifest["files"].items()):
-            if have.get(rel) != want["size"]:
-                got = "missing" if rel not in have else f"{have[rel]} bytes, not {want['size']}"
-                return [f"{step_store.url_of(rel)} is {got} on the store after its upload"]
-        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        # `latest` first, as the folder backend does: a kill between the two leaves `latest` naming a
-        # step without its manifest, and resume falls back to the one before; the other order would
-        # leave a complete step above `latest`, which resume takes for an abandoned run's and archives.
+            if have.get(f"{staged}/{rel}") != want["size"]:
+                got = "missing" if f"{staged}/{rel}" not in have else f"{have[f'{staged}/{rel}']} bytes, not {want['size']}"
+                return [f"{self.storage.locate(f'{staged}/{rel}')} is {got} on the store after its upload"]
         try:
-            before = store.read_latest(self.store)
+            before = steps.read_latest(self.storage)
         except Exception:  # only for putting `latest` back should the manifest fail: not a reason to fail
             before = None
-        error = (self._put(lambda: store.point_latest(self.store, name), self.store.url_of(layout.LATEST))
-                 or self._put(lambda: self.store.fs.pipe_file(step_store.path(layout.MANIFEST), body),
-                              step_store.url_of(layout.MANIFEST)))
-        if error:
+        try:
+            steps.commit(self.storage, step, manifest, attempt=self._attempt)
+        except _GaveUp as gave_up:
             if before is not None:  # best effort: resume would fall back to it all the same, with a warning
-                self._put(lambda: store.point_latest(self.store, layout.step_name(before)), self.store.url_of(layout.LATEST))
-            return [error]
+                self._put(lambda: steps.point_latest(self.storage, layout.step_name(before)),
+                          self.storage.locate(layout.LATEST))
+            return [str(gave_up)]
         self._commit_at[step] = time.monotonic()  # commit_s ends here: manifest and `latest` are up
         try:
             self.prune(step)
@@ -372,17 +388,17 @@ class ObjectStoreCheckpointer(Checkpointer):
                 self._lease = None
 
     def prune(self, newest: int) -> None:
-        """See store.prune: orphans, objects no manifest names, and steps beyond keep_last go."""
-        store.prune(self.store, newest, self.keep_last)
+        """See steps.prune: orphans, objects no manifest names, and steps beyond keep_last go."""
+        steps.prune(self.storage, newest, self.keep_last)
 
     # ---- the pointer and the lineage ---------------------------------------------------------------
 
     def latest(self) -> int | None:
-        return store.read_latest(self.store)
+        return steps.read_latest(self.storage)
 
     def latest_name(self) -> str:
         try:
-            return store.latest_name(self.store)
+            return steps.latest_name(self.storage)
         except Exception as exc:  # said inside other messages: never a second error
             return f"unknown ({describe(exc)})"
 
@@ -391,11 +407,11 @@ class ObjectStoreCheckpointer(Checkpointer):
         return below is not None and layout.step_of(below) is not None
 
     def archive(self, keep_upto: int | None, into: str | Path) -> list[int]:
-        """Rank 0 only: see store.archive_abandoned. The steps go to <url>/archive/<time>/ (an `into`
+        """Rank 0 only: see steps.archive_abandoned. The steps go to <url>/archive/<time>/ (an `into`
         elsewhere than on this store is not the same storage, and is not used)."""
         below = self.store.under(into) if isinstance(into, str) else None
         target = Store(self.store.fs, self.store.path(below or layout.ARCHIVE), self.store.url_of(below or layout.ARCHIVE))
-        return store.archive_abandoned(self.store, keep_upto, target)
+        return steps.archive_abandoned(self.storage, keep_upto, target)
 
     def archive_location(self) -> str:
         return self.store.url_of(layout.ARCHIVE)
@@ -403,11 +419,11 @@ class ObjectStoreCheckpointer(Checkpointer):
     # ---- finding and loading -------------------------------------------------------------------------
 
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
-        """Rank 0 picks and verifies the step (store.choose); every rank gets its choice."""
+        """Rank 0 picks and verifies the step (steps.choose); every rank gets its choice."""
         self._check()
         def choose() -> tuple[str, int] | None:
             try:
-                return store.choose(self.store, resume, warn, self.cache)
+                return steps.choose(self.storage, resume, warn, self.cache)
             except UserError:
                 raise
             except Exception as exc:
@@ -437,23 +453,23 @@ class ObjectStoreCheckpointer(Checkpointer):
     def _fetch(self, found: Found, want: Callable[[str], bool]) -> None:
         """Into the node's cache: the files of step `found` (a URL) that `want` admits, verified."""
         url = str(found.path)
-        parent = url.rpartition("/")[0]
-        there = Store(self.store.fs, self.store.fs._strip_protocol(parent).rstrip("/"), parent)
-        manifest = store.read_manifest(there, found.step)
+        parent, _, name = url.rpartition("/")
+        there = self.store.sibling(parent)
+        manifest = steps.read_manifest(there, name) if there is not None else None
         reason = "its manifest is gone" if manifest is None else None
-        if manifest is not None:
-            reason = store.fetch(there, url, self.cache / layout.step_name(found.step), manifest, want=want)
+        if there is not None and manifest is not None:
+            reason = steps.fetch(there, name, self.cache / layout.step_name(found.step), manifest, want=want)
         if reason:
             raise UserError(f"checkpoint {url} changed while the ranks read it: {reason}",
                             "rerun the same command (resume falls back past a damaged checkpoint)", local=True)
 
-    def load(self, found: Found) -> tuple[dict, dict | None, dict]:
+    def load(self, found: Found) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
         return super().load(self._local(found))
 
     def sharded_keys(self, found: Found) -> set[str]:
         return super().sharded_keys(self._local(found))
 
-    def load_sharded(self, found: Found, template: dict) -> None:
+    def load_sharded(self, found: Found, template: dict[str, Any]) -> None:
         local = self._local(found)
         if local is found:
             return super().load_sharded(found, template)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
 
-def rng_state() -> dict:
+def rng_state() -> dict[str, Any]:
     """This process's RNG states: Python's, the CPU generator's and its own GPU's only (the current
     device), so a checkpoint of the torchrun layout (every GPU visible) resumes in the srun layout
     (one GPU per task) and back."""
@@ -16,7 +17,7 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"].cpu())
     if not torch.cuda.is_available():

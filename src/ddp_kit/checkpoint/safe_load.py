@@ -11,7 +11,7 @@ therefore unpickled with an allow-list:
 - DCP's byte items (an optimizer's param_groups, a module's extra state), which torch's planners
   load with `weights_only=False`, are first checked with `weights_only=True`.
 
-`check_folder` runs all of these over a step folder for `folder.validate`, so a forged
+`check_folder` runs all of these over a step folder for `steps.validate`, so a forged
 checkpoint is one more invalid checkpoint: named in one line, and resume falls back past it.
 """
 from __future__ import annotations

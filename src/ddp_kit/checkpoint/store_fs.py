@@ -1,4 +1,5 @@
-"""Opening a checkpoint URL through fsspec, and saying what went wrong with one in a few words.
+"""A checkpoint storage on any fsspec URL (storage.Storage: no rename, not local), opening one, and
+saying what went wrong with one in a few words.
 
     s3://bucket/prefix   s3fs (pip install 'ddp_kit[s3]'); credentials and endpoint as boto reads them:
                          AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and
@@ -14,14 +15,19 @@ cannot say. Neither it nor any credential is ever printed.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, ClassVar
 from urllib.parse import urlsplit
 
 from ..errors import UserError
 from .backend import scheme_of
+from .storage import Storage
 
 STORAGE_OPTIONS_ENV = "DDP_KIT_STORAGE_OPTIONS"
 
@@ -37,10 +43,81 @@ _PACKAGES = {
 
 @dataclass(frozen=True)
 class Store:
-    """One checkpoint location on an fsspec file system: `root` is the file system's path of `url`."""
+    """One checkpoint location on an fsspec file system: `root` is the file system's path of `url`.
+    A Storage with no rename: every object is written under its final name (one PUT each)."""
     fs: Any
     root: str
     url: str
+
+    can_rename: ClassVar[bool] = False
+    local_root: ClassVar[Path | None] = None
+    object_word: ClassVar[str] = "object"
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def locate(self, rel: str) -> str:
+        return self.url_of(rel) if rel else self.url
+
+    @contextmanager
+    def open_write(self, rel: str) -> Iterator[IO[bytes]]:
+        """Buffered here and sent in one PUT at the end: the object appears whole or not at all."""
+        buf = io.BytesIO()
+        yield buf
+        self.fs.pipe_file(self.path(rel), buf.getvalue())
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """One PUT: a reader sees the old object or the new one, never half of one."""
+        self.fs.pipe_file(self.path(rel), data)
+
+    def read_bytes(self, rel: str) -> bytes:
+        return bytes(self.fs.cat_file(self.path(rel)))
+
+    def put(self, local: Path, rel: str) -> None:
+        self.fs.put_file(str(local), self.path(rel))
+
+    def get(self, rel: str, local: Path) -> None:
+        self.fs.get_file(self.path(rel), str(local))
+
+    def listing(self, prefix: str = "") -> dict[str, int]:
+        top = self.path(prefix) if prefix else self.root
+        self.fs.invalidate_cache(top)
+        try:
+            found = self.fs.find(top, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for path, info in found.items():
+            rel = self.rel(path)
+            if rel is None or rel.endswith("/") or info.get("type") == "directory":
+                continue
+            out[rel] = int(info.get("size") or 0)
+        return out
+
+    def remove(self, rels: list[str]) -> None:
+        there = [p for p in (self.path(r) for r in rels) if self.fs.exists(p)]
+        if there:
+            self.fs.rm(there, recursive=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError(f"{self.url}: an object store has no rename")
+
+    def sync(self, rel: str = "") -> None:
+        return None  # an upload is durable once it returns
+
+    def move_to(self, rel: str, other: Storage, dst: str) -> None:
+        if not isinstance(other, Store):
+            raise ValueError(f"cannot move {self.url_of(rel)} to {other.location}: another storage")
+        objects = self.listing(rel)
+        for r in objects:
+            self.fs.copy(self.path(r), other.path(dst + r[len(rel):]))
+        self.remove([rel])
+
+    def sibling(self, location: str) -> Storage | None:
+        if "://" not in location:
+            return None
+        return Store(self.fs, self.fs._strip_protocol(location).rstrip("/"), location.rstrip("/"))
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts]) if parts else self.root
@@ -59,7 +136,7 @@ class Store:
         return url[len(head):].strip("/") if url.startswith(head) else None
 
 
-def storage_options(environ: dict | None = None) -> dict[str, Any]:
+def storage_options(environ: dict[str, Any] | None = None) -> dict[str, Any]:
     """DDP_KIT_STORAGE_OPTIONS as keyword arguments of the file system; refused in one line if not a JSON object."""
     raw = (os.environ if environ is None else environ).get(STORAGE_OPTIONS_ENV, "").strip()
     if not raw:
@@ -75,7 +152,7 @@ def storage_options(environ: dict | None = None) -> dict[str, Any]:
     return options
 
 
-def open_store(url: str, environ: dict | None = None) -> Store:
+def open_store(url: str, environ: dict[str, Any] | None = None) -> Store:
     """The Store of checkpoint location `url`. Refused in one line: a scheme whose fsspec implementation
     is not installed, a file:// URL naming another host, a URL with no bucket, bad storage options."""
     scheme = scheme_of(url)
