@@ -59,8 +59,8 @@ def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
         previous = bounds[-1] if bounds and bounds[-1].get("event") == "end" else None
         if automatic and previous is not None and previous.get("retryable") is False and \
                 previous.get("verdict") in REPEATABLE:
-            raise _refused(path, "deterministic", f"the previous attempt of this run ended with a deterministic failure (the same "
-                            f"{previous.get('error')} at step {previous.get('step')} twice): not starting another",
+            raise _refused(path, "deterministic", f"the previous attempt of this run ended with a deterministic failure ("
+                            f"{previous.get('error')}, at step {previous.get('step')} twice): not starting another",
                             f"fix it (history: {path}), then rerun")
         if automatic and limit and len(failed) >= limit:
             last = failed[-1]

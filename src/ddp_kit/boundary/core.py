@@ -116,7 +116,20 @@ class StepBoundary:
         if self.attempt and self.rd is not None:  # rank 0: the run ledger's lines of this attempt
             self.attach(RunLedger(self.rd.path / attempts.FILE, self.attempt))
             self.watchdog.on_hang = self._hung
+            if self.ctx.failfast is not None:
+                self.ctx.failfast.on_stop = self._peer_failed
         return self
+
+    def _peer_failed(self, posted: dict[str, Any]) -> int | None:
+        """Rank 0, stopped by another rank's failure: the end line names that failure; the same one at the
+        same step as the previous attempt's ends this one with exit 2 too."""
+        error = RuntimeError(str(posted.get("error", "")))
+        verdict = of_failure(1, error, posted, self.ctx.rank, socket.gethostname(), self.progress.step)
+        code = None
+        if repeats(verdict, self.previous_end):
+            verdict, code = deterministic(verdict), EXIT_USER_ERROR
+        attempts.record_end(self, code or 1, verdict)
+        return code
 
     def _hung(self, stalled_s: float) -> None:
         step = self.progress.step

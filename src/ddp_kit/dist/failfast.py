@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as tdist
@@ -117,6 +118,9 @@ class FailFast:
         self.linger_s = linger_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-failfast", daemon=True)
+        # Called with the posted failure before this process exits as its follower; may return another
+        # exit code (the run ledger's end line, the repeat rule: boundary/core.py).
+        self.on_stop: Callable[[dict], int | None] | None = None
 
     def start(self) -> FailFast:
         if self.world_size > 1:
@@ -147,8 +151,14 @@ class FailFast:
                 if failed.get("verdict") and self._stop.wait(ECHO_GRACE_S):
                     return  # this rank reached the same verdict and handles it itself
                 say_stop(self.rank, failed)
+                code = EXIT_PEER_FAILED
+                if self.on_stop is not None:
+                    try:
+                        code = self.on_stop(failed) or code
+                    except Exception:
+                        pass  # the stop line is out; the exit must not wait on anything else
                 time.sleep(self.linger_s)
-                os._exit(EXIT_PEER_FAILED)
+                os._exit(code)
 
 
 def announce(env, err: BaseException, timeout_s: float = 30.0) -> None:

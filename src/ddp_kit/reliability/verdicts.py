@@ -68,7 +68,7 @@ def of_failure(code: int, err: BaseException, posted: dict[str, Any] | None, ran
     if code == EXIT_HANG:
         return Verdict("hang", True, f"no progress at step {step}: a hang (stacks in run_dir/hang/)",
                        "read the hang report above; a restart resumes from the last checkpoint", **at, error=text)
-    if code == EXIT_USER_ERROR or isinstance(err, UserError) and not where:
+    if code == EXIT_USER_ERROR or text.startswith(f"{UserError.__name__}:"):
         return Verdict("user_error", False, text, "fix the configuration or input the error names", **at, error=text)
     if where is None and _is_infrastructure(err):
         return Verdict("infrastructure", True, text, "free space or fix the storage, then rerun", **at, error=text)

@@ -89,7 +89,8 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     start = run.resume(optimizer=job.optimizer, scheduler=job.scheduler, scaler=job.scaler,
                        check=refuse_changed_recipe(cfg))
     if start:
-        job.faults = type(job.faults)((), run.rank, armed=False)  # a resumed run is the recovery, not the fault
+        # A resumed run is the recovery, not the fault; only a deterministic (:always=1) one fires again.
+        job.faults = type(job.faults)(job.faults.faults, run.rank, armed=False)
     result = train(job)
     run.save()  # the final checkpoint; returns at once if this step is already saved
     run.heartbeat("finish")
