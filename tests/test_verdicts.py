@@ -145,3 +145,23 @@ def test_the_same_exception_at_the_same_step_stops_at_the_second_attempt_under_t
     refused = [r for r in records if r["event"] == "refused"]
     assert refused and all(r["why"] == "deterministic" for r in refused), records[-3:]
     assert "deterministic" in out and "not retrying, exiting with 2" in out
+
+
+def test_a_deterministic_failure_leaves_a_torchrun_pod_with_exit_2(tmp_path):
+    """The Kubernetes torchrun-per-pod layout: pod.sh runs torchrun, torchrun runs each rank through
+    rank.sh, and torchrun turns any failed worker into its own exit 1; the pod must still end 2 (the
+    templates' "do not retry") at the attempt that repeats the failure. The engine's restart of the pod
+    is played by running the same pod command again."""
+    from ddp_kit.launch.k8s import _script
+
+    run = tmp_path / "r"
+    pod = ["sh", "-c", _script("pod.sh"), "ddp_kit-pod", "75", sys.executable, "-m", "torch.distributed.run",
+           "--nproc_per_node", "2", "--no-python", "sh", "-c", _script("rank.sh"), "ddp_kit-rank",
+           sys.executable, "-m", "ddp_kit.train", "--progress", "false", "--run_dir", str(run), "--max_steps", "30",
+           "--ckpt_every", "4", "--inject", "raise:rank=1:step=6:always=1"]
+    env = {"DDP_KIT_PREEMPT_MARK": str(tmp_path / "mark")}
+    first, out1 = finish(start(pod, env), timeout=150)
+    second, out2 = finish(start(pod, env), timeout=150)
+    assert (first, second) == (1, 2), (out1[-2000:], out2[-3000:])
+    assert "exiting 2 so that the engine does not restart this pod" in out2
+    assert [e["retryable"] for e in ends(run)] == [True, False]
