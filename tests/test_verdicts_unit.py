@@ -65,3 +65,16 @@ def test_the_same_failure_at_the_same_step_repeats_and_becomes_not_retryable():
 def test_stops_and_clean_ends():
     assert [(of_stop(c, 9).name, of_stop(c, 9).retryable) for c in (0, 75, 130)] == \
         [("finished", False), ("preempted", True), ("interrupted", False)]
+
+
+def test_a_full_disk_while_checkpointing_is_infrastructure_not_retried():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise UserError("disk full while writing checkpoint step_6 to 'runs/a/checkpoints'", "free space") from None
+    except UserError as err:
+        v = of_failure(2, err, None, 0, "h", 6)
+    assert (v.name, v.retryable) == ("infrastructure", False)
+    posted = {"rank": 1, "host": "b", "step": 6, "error": "UserError: disk full while writing checkpoint step_6"}
+    assert of_failure(1, RuntimeError("closed"), posted, 0, "a", 6).name == "infrastructure"

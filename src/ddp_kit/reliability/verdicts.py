@@ -10,7 +10,8 @@
                                       and that attempt exits 2 (not retryable)
     out_of_memory       1  yes        the device or host ran out of memory; the same repeat rule
     lost_peer           1  yes        a collective timed out or another rank vanished (killed, node lost)
-    infrastructure      1  yes        the disk is full or read-only, storage unreachable, an I/O error
+    infrastructure    1/2  1: yes     the disk is full or read-only, an I/O error; a full disk while
+                                      checkpointing stops the run with 2 (it will not free itself)
     hang                3  yes        no progress within hang_timeout_s (stacks in run_dir/hang/)
     killed              -  yes        (read, never written) an attempt that left no end: SIGKILL, the OOM killer
 
@@ -28,6 +29,7 @@ from ..errors import EXIT_USER_ERROR, UserError
 EXIT_FAILED, EXIT_HANG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 75, 130
 REPEATABLE = ("program_error", "out_of_memory")  # the same one twice at one step will not heal
 _INFRA_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+_INFRA_WORDS = ("disk full", "No space left on device", "Read-only file system", "Input/output error")
 _OOM_WORDS = ("OutOfMemoryError", "MemoryError", "out of memory")
 
 
@@ -68,10 +70,12 @@ def of_failure(code: int, err: BaseException, posted: dict[str, Any] | None, ran
     if code == EXIT_HANG:
         return Verdict("hang", True, f"no progress at step {step}: a hang (stacks in run_dir/hang/)",
                        "read the hang report above; a restart resumes from the last checkpoint", **at, error=text)
+    if (where is None and _is_infrastructure(err)) or any(w in text for w in _INFRA_WORDS):
+        # A full disk stops the run with exit 2 (it will not free itself); an I/O error may pass.
+        return Verdict("infrastructure", code != EXIT_USER_ERROR, text, "free space or fix the storage, then rerun",
+                       **at, error=text)
     if code == EXIT_USER_ERROR or text.startswith(f"{UserError.__name__}:"):
         return Verdict("user_error", False, text, "fix the configuration or input the error names", **at, error=text)
-    if where is None and _is_infrastructure(err):
-        return Verdict("infrastructure", True, text, "free space or fix the storage, then rerun", **at, error=text)
     if any(w in text for w in _OOM_WORDS):
         return Verdict("out_of_memory", True, text, "lower the batch size (or use fsdp / amp / grad_accum)", **at,
                        error=text)
