@@ -1,6 +1,7 @@
 """`python -m ddp_kit.report RUN_DIR`: RUN_DIR/report.png (loss and accuracy, throughput, per-rank step
-time, memory, and the numbers a script logged itself with run.log_event) and RUN_DIR/report.csv (one row
-per rank per log event). Needs matplotlib (pip install 'ddp_kit[report]').
+time, memory, the numbers a script logged itself with run.log_event, and the attempts on a wall-clock
+timeline with their lost time by cause) and RUN_DIR/report.csv (one row per rank per log event). Needs
+matplotlib (pip install 'ddp_kit[report]').
 
 Only panels with data are drawn: a user's own script may log a few train records and no eval at all,
 and an empty panel (or a legend naming series that are not there) reads as a broken run."""
@@ -12,8 +13,10 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import EXIT_USER_ERROR, UserError
+from .ledger import CAUSES, LEDGER, RunAccount, account, max_steps_of, read
 from .run_folder import RunDir
 
 # Fields of a non-train record that are not metrics: the x axis, the writer's timestamp, and ids.
@@ -22,6 +25,10 @@ NOT_METRICS = {"step", "epoch", "time", "rank", "pid", "id"}
 EVAL_DRAWN = {"eval_loss", "eval_accuracy", "eval_samples"}
 # What strategy ft's step boundary writes (parallel/ft_steps.py): its own panel, not the script's.
 REPLICA_EVENTS = {"quorum", "step_discarded", "replica_pause", "recovery", "replica_weights_checked"}
+# The timeline's colour for goodput and each badput cause (ledger.CAUSES).
+CAUSE_COLORS = {"goodput": "tab:green", "startup": "tab:blue", "checkpoint": "tab:purple", "evaluation": "tab:cyan",
+                "replayed": "tab:red", "down": "lightgrey", "hang": "tab:orange", "replica": "tab:olive",
+                "other": "darkgrey"}
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -92,6 +99,7 @@ class Panel:
     ylabel2: str = ""
     legend: bool = True
     bars: bool = False
+    draw: Any = None  # draws the panel itself on an axis (the timeline), instead of series
 
 
 def _line(label: str, pts: list, **style) -> list:
@@ -178,8 +186,64 @@ def _model_state(train: list[dict]) -> Panel:
     return p
 
 
-def plot(records: list[dict], out: Path, title: str) -> None:
-    todo = panels(records)
+def ledger_of(run_dir: Path) -> RunAccount | None:
+    """The run ledger's account (ddp_kit/ledger.py), for the timeline panel; None without a start line
+    (a run from before the ledger, or a user's script run without a run_dir's attempts)."""
+    try:
+        records, _ = read(Path(run_dir) / LEDGER)
+    except OSError:
+        return None
+    if not any(r["event"] == "start" for r in records):
+        return None
+    return account(records, max_steps=max_steps_of(Path(run_dir)))
+
+
+def timeline(run: RunAccount) -> Panel:
+    """Attempts as spans on the wall clock (one row each), green where steps were kept; each
+    attempt's lost time coloured by cause where it happened (start-up first; replayed steps, the hang
+    and the unexplained rest at the end; checkpoints, evaluation and pauses at their lines' times),
+    the down time before it in grey; checkpoints as ticks, an attempt that failed as a cross."""
+    unit, name = (3600.0, "h") if run.wall_s > 3 * 3600 else (60.0, "min") if run.wall_s > 300 else (1.0, "s")
+    x = lambda t: (t - run.start_t) / unit
+    lost = {k: v for k, v in run.badput.items() if v > 0}
+    title = f"attempts: goodput {run.goodput_pct:.0f}% of {run.wall_s / unit:.3g} {name} wall (python -m ddp_kit.status)"
+
+    def draw(ax: Any) -> None:
+        from matplotlib.patches import Patch
+
+        prev = None
+        for a in run.attempts:
+            y, sec = a.number, a.seconds
+            def bar(t0: float, t1: float, cause: str, y: int = y) -> None:
+                ax.broken_barh([(x(t0), max(0.0, t1 - t0) / unit)], (y - 0.35, 0.7), color=CAUSE_COLORS[cause], linewidth=0)
+
+            bar(a.launched_t, a.end_t, "goodput")
+            if prev is not None:
+                bar(prev, a.launched_t, "down")
+            bar(a.launched_t, a.launched_t + sec["startup"], "startup")
+            t = a.end_t
+            for cause in ("other", "hang", "replayed"):
+                bar(t - sec[cause], t, cause)
+                t -= sec[cause]
+            for at, cause, s in a.marks:
+                bar(at - s, at, cause)
+            if a.verdict not in ("finished", "running"):
+                ax.plot([x(a.end_t)], [y], "x", color="black", markersize=8)
+                ax.annotate(a.verdict, (x(a.end_t), y), xytext=(4, 4), textcoords="offset points", fontsize=7)
+            prev = a.end_t
+        ticks = [(x(c.t), c.attempt) for c in run.checkpoints]
+        ax.plot([t for t, _ in ticks], [n for _, n in ticks], "|", color="black", markersize=10)
+        ax.set_yticks([a.number for a in run.attempts] if len(run.attempts) <= 20 else [])
+        ax.invert_yaxis()
+        shown = {"goodput": run.goodput_s, **{k: lost[k] for k in CAUSES if k in lost}}
+        ax.legend(handles=[Patch(color=CAUSE_COLORS[k], label=f"{k} {v / unit:.2g} {name}") for k, v in shown.items()],
+                  loc="best", fontsize=7)
+
+    return Panel(title, f"wall clock ({name} since the first launch)", "attempt", legend=False, draw=draw)
+
+
+def plot(records: list[dict], out: Path, title: str, ledger: RunAccount | None = None) -> None:
+    todo = panels(records) + ([timeline(ledger)] if ledger is not None else [])
     if not todo:
         raise UserError("nothing to plot: metrics.jsonl has no record with a numeric step and a numeric value",
                         "log records with run.log_event({'step': ..., 'name': number}) or train with run.step(loss)")
@@ -203,6 +267,10 @@ def plot(records: list[dict], out: Path, title: str) -> None:
 
 
 def _draw(ax, p: Panel) -> None:
+    if p.draw is not None:
+        p.draw(ax)
+        ax.set_xlabel(p.xlabel), ax.set_ylabel(p.ylabel), ax.set_title(p.title, fontsize=9)
+        return
     if p.bars:
         bottom = [0.0] * len(p.series[0][1])
         for label, xs, ys, _ in p.series:
@@ -258,7 +326,7 @@ def main(run_dir: str) -> None:
         except ImportError:
             raise UserError("matplotlib is not installed, so no report.png (report.csv was written)",
                             "pip install 'ddp_kit[report]'") from None
-        plot(records, d / "report.png", title_for(d, records))
+        plot(records, d / "report.png", title_for(d, records), ledger_of(d))
         print(f"wrote {d / 'report.png'} and {d / 'report.csv'} ({n} rows)")
     except UserError as err:
         print(err.line(), file=sys.stderr)

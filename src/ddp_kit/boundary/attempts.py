@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dist.collectives import gather_object, rank0_verdict
 from ..errors import EXIT_USER_ERROR, UserError
+from ..ledger import LEDGER
 from ..reliability.verdicts import REPEATABLE, Verdict, of_stop
 from .ledger import append
 from .tracking import close_trackers
@@ -30,7 +31,7 @@ from .tracking import close_trackers
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
     from .core import StepBoundary as Boundary
 
-FILE = "attempts.jsonl"
+FILE = LEDGER  # the run ledger's file, named where it is read (ddp_kit/ledger.py)
 OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
 
 

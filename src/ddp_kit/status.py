@@ -1,0 +1,149 @@
+"""`python -m ddp_kit.status RUN_DIR [--json] [--watch [SECONDS]]`: where a run stands and what its
+failures cost, from its ledger (ddp_kit/ledger.py). Reads files only: no torch, no process group, no
+checkpoint storage (a run whose checkpoints are at a URL is read the same way)."""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from datetime import datetime
+from json import dumps
+
+from .errors import EXIT_USER_ERROR, UserError
+from .ledger import CAUSES, Attempt, RunAccount, load
+
+WATCH_DEFAULT_S = 10.0
+SHOWN_CHECKPOINTS = 5
+SHOWN_ATTEMPTS = 12
+MEANING = {  # one line per cause, under the table
+    "startup": "launch to the first step (imports, rendezvous, restore), less that step",
+    "checkpoint": "time the training loop was blocked by checkpoint saves",
+    "evaluation": "evaluation passes",
+    "replayed": "steps trained, then lost to a restart from an older checkpoint, and trained again",
+    "down": "from one attempt's end to the next one's launch (requeue, scheduling, restart back-off)",
+    "hang": "stalls before the watchdog fired",
+    "replica": "strategy ft: pauses while replica groups left or joined, and discarded steps",
+    "other": "what the ledger does not explain (teardown, final saves, clock noise)",
+}
+
+
+def duration(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(round(s)), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ended(a: Attempt) -> str:
+    at = f" at step {a.last_step}" if a.last_step is not None else ""
+    if a.verdict == "running":
+        return f"running{at}"
+    said = f"{a.verdict}{at}"
+    if a.exit is not None:
+        said += f", exit {a.exit}"
+    if a.retryable is not None and a.verdict != "finished":
+        said += ", retryable" if a.retryable else ", not retryable"
+    where = f"rank {a.rank}" + (f" on {a.host}" if a.host else "") if a.rank is not None else ""
+    if where:
+        said += f" ({where})"
+    if a.cause and a.verdict != "finished":
+        said += f": {a.cause}"
+    if a.fix and a.verdict != "finished":
+        said += f" (fix: {a.fix})"
+    return said
+
+
+def render(run: RunAccount, run_dir: str = "") -> str:
+    """What `python -m ddp_kit.status` prints."""
+    lines = []
+    step = "no step yet" if run.step is None else f"step {run.step}" + (f" of {run.max_steps}" if run.max_steps else "")
+    pace = f", {run.steps_per_s:.2f} steps/s" if run.steps_per_s else ""
+    eta = f", ETA {duration(run.eta_s)} of training" if run.eta_s is not None and run.eta_s > 0 else ""
+    lines.append(f"{run_dir}: {run.state} at {step}{pace}{eta}")
+    lines.append(f"{len(run.attempts)} attempt{'s' if len(run.attempts) != 1 else ''}, wall {duration(run.wall_s)} "
+                 f"since {_clock(run.start_t)}; goodput {run.goodput_pct:.1f}% ({duration(run.goodput_s)} of kept steps)"
+                 + (f"; {run.replayed_steps} step{'s' if run.replayed_steps != 1 else ''} replayed" if run.replayed_steps else ""))
+    lines.append("")
+    lines.append(f"  {'badput':<11} {'seconds':>10} {'%':>6}")
+    for cause in CAUSES:
+        s = run.badput[cause]
+        pct = 100.0 * s / run.wall_s if run.wall_s > 0 else 0.0
+        lines.append(f"  {cause:<11} {s:>10.1f} {pct:>6.1f}   {MEANING[cause]}")
+    lines.append("")
+    shown = run.attempts[-SHOWN_ATTEMPTS:]
+    if len(shown) < len(run.attempts):
+        earlier = Counter(a.verdict for a in run.attempts[:-len(shown)])
+        lines.append(f"  attempts (the last {len(shown)} of {len(run.attempts)}; the earlier ones: "
+                     + ", ".join(f"{n} {v}" for v, n in earlier.most_common()) + ")")
+    lines.append(f"  {'#':>3} {'launched':<19} {'duration':>9} {'ranks':>5} {'engine':<9} {'steps':>13}  ended")
+    for a in shown:
+        steps = (f"{a.resumed_step}->{a.last_step}" if a.resumed_step is not None and a.last_step is not None else "-")
+        hosts = ",".join(sorted(set(a.hosts)))
+        lines.append(f"  {a.number:>3} {_clock(a.launched_t):<19} {duration(a.duration_s):>9} "
+                     f"{a.world_size if a.world_size is not None else '?':>5} {a.engine or '?':<9} {steps:>13}  {_ended(a)}"
+                     + (f" [hosts {hosts}]" if hosts else "")
+                     + (f" [{a.replayed_steps} replayed]" if a.replayed_steps else ""))
+    if run.checkpoints:
+        recent = run.checkpoints[-SHOWN_CHECKPOINTS:]
+        lines.append("")
+        lines.append(f"  checkpoints (the last {len(recent)} of {len(run.checkpoints)}):")
+        for c in recent:
+            commit = f", commit {c.commit_s:.2f}s" if c.commit_s is not None else ""
+            lines.append(f"    step {c.step:<8} attempt {c.attempt:<3} {_clock(c.t)}  blocked {c.blocking_s:.2f}s{commit}  {c.fate}".rstrip())
+    if run.slowest is not None:
+        slow = run.slowest
+        lines.append("")
+        lines.append(f"  slowest rank: {slow.rank}" + (f" on {slow.host}" if slow.host else "")
+                     + f" (the slowest in {slow.windows} of {slow.of} log windows)")
+    if run.skipped_lines:
+        lines.append(f"  ({run.skipped_lines} ledger line{'s' if run.skipped_lines != 1 else ''} skipped: cut by a kill)")
+    return "\n".join(lines)
+
+
+def show(run_dir: str, as_json: bool = False) -> RunAccount:
+    run = load(run_dir)
+    print(dumps(run.as_dict()) if as_json else render(run, run_dir), flush=True)
+    return run
+
+
+def main(run_dir: str, json: bool = False, watch: float | bool | None = None) -> None:
+    """Print where the run in RUN_DIR stands and what its failures cost. --json: one JSON object;
+    --watch [SECONDS]: redraw every SECONDS (default 10) until the run is no longer running."""
+    run_dir = str(run_dir)
+    try:
+        if watch is None or watch is False:
+            show(run_dir, json)
+            return
+        every = WATCH_DEFAULT_S if watch is True else float(watch)
+        if not every > 0:
+            raise UserError(f"--watch takes a number of seconds above 0; got {watch!r}", "e.g. --watch 5")
+        while True:
+            if not json and sys.stdout.isatty():
+                print("\033[H\033[2J", end="")
+            if show(run_dir, json).state != "running":
+                return
+            time.sleep(every)
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        return
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)
