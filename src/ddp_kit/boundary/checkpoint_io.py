@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint.backend import CheckpointBackend, Found, open_backend
+from ..checkpoint.backend import ArchivesOnItsStore, CheckpointBackend, Found, open_backend
 from ..checkpoint.layout import ARCHIVE, step_name
 from ..dist import DistContext
 from ..run_folder import RunDir
@@ -27,9 +27,8 @@ def archive_folder(ckpt: CheckpointBackend, rd: RunDir) -> str | Path:
     """Where abandoned steps go: run_dir/archive for run_dir/checkpoints, else beside the steps on
     their own storage (a store's <url>/archive, a ckpt_dir folder's archive/): moving stays a rename
     on one file system, or a copy within one store."""
-    on_store = getattr(ckpt, "archive_location", None)  # only object_store's backend has one
-    if on_store is not None:
-        return on_store()
+    if isinstance(ckpt, ArchivesOnItsStore):  # only object_store's backend is
+        return ckpt.archive_location()
     root = Path(ckpt.location)
     return rd.archive if root == rd.checkpoints else root / ARCHIVE
 
@@ -43,7 +42,7 @@ def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fres
         if ckpt.latest() is None:
             writer.supersede(None, rd.archive)  # a first run: earlier metrics without checkpoints are not ours
         return
-    ours = resumed_path is not None and ckpt.owns(Found(resumed_path, resumed_from))
+    ours = resumed_path is not None and resumed_from is not None and ckpt.owns(Found(resumed_path, resumed_from))
     # A checkpoint from another folder starts a new lineage here: whatever this folder held is abandoned.
     into = archive_folder(ckpt, rd)
     moved = ckpt.archive(resumed_from if ours else None, into)

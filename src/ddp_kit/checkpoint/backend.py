@@ -114,6 +114,14 @@ class CheckpointBackend(Protocol):
         """At the run's end: wait for a pending save (re-raising its error), then free what saves kept."""
 
 
+@runtime_checkable
+class ArchivesOnItsStore(Protocol):
+    """A backend whose abandoned steps go beside them on its own store (object_store's), not into a folder."""
+
+    def archive_location(self) -> str:
+        """Where `archive` moves steps to on this backend's store (<url>/archive)."""
+
+
 # scheme -> "module:factory"; factory(location: str) -> storage.Storage, refusing a bad location in one line
 _FSSPEC = "ddp_kit.checkpoint.store_fs:open_store"
 STORAGES: dict[str, str] = {

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -193,9 +193,10 @@ class Checkpointer:
             self.ctx.store.wait([key], _td(self.timeout_s))
         return tmp
 
-    def _run_async(self, *args) -> None:
+    def _run_async(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any],
+                   shards: Any = None, staged: tuple[Path, dict[str, Any]] | None = None) -> None:
         try:
-            self._commit(*args)
+            self._commit(step, shared, per_rank, meta, shards, staged)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._error = exc
 
@@ -246,7 +247,7 @@ class Checkpointer:
                 raise
             self._refuse_disk_full(step, shared, per_rank)
 
-    def _refuse_disk_full(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any]) -> None:
+    def _refuse_disk_full(self, step: int, shared: dict[str, Any], per_rank: dict[str, Any]) -> NoReturn:
         # Nothing half-written stays behind; the committed checkpoints are untouched.
         tmp = self._stage_path(step)
         if self.ctx.is_main or self.private_staging:
@@ -371,26 +372,36 @@ class Checkpointer:
     def load_sharded(self, found: Found, template: dict[str, Any], before_read: Callable[[set[str]], None] | None = None) -> None:
         """Fill `template` (this rank's sharded state dicts) from found/dcp/, whatever world size wrote it
         (`before_read`: told the dcp/ files this rank reads, before they are opened)."""
-        if not all_true(self.ctx, dcp_files.present(found.path)):  # one verdict, before DCP's collectives
+        folder = _folder(found)
+        if not all_true(self.ctx, dcp_files.present(folder)):  # one verdict, before DCP's collectives
             raise UserError(f"checkpoint {found.path} holds no sharded state (dcp/) that every rank can read: it was "
                             f"written with strategy ddp, or is not on storage every rank mounts",
                             "resume it with the strategy that wrote it, or start over with resume='never' or a new run_dir",
                             verdict=True)
-        dcp_files.load(found.path, template, self._dcp_group(), before_read)
+        dcp_files.load(folder, template, self._dcp_group(), before_read)
 
     def sharded_keys(self, found: Found) -> set[str]:
         """The flattened keys a sharded checkpoint holds (e.g. "optimizer.state.fc.weight.exp_avg")."""
-        return dcp_files.keys(found.path)
+        return dcp_files.keys(_folder(found))
 
     def load(self, found: Found) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
         """(shared state, this rank's per-rank state or None, meta), on CPU: load_state_dict copies each
         tensor to its device once, so the model is never held twice on the GPU."""
-        shared = torch.load(found.path / layout.TRAIN_STATE, map_location="cpu", weights_only=True)
-        if (found.path / layout.MODEL).exists():
-            shared["model"] = torch.load(found.path / layout.MODEL, map_location="cpu", weights_only=True)
-        own = found.path / layout.rank_file(self.ctx.rank)
+        folder = _folder(found)
+        shared = torch.load(folder / layout.TRAIN_STATE, map_location="cpu", weights_only=True)
+        if (folder / layout.MODEL).exists():
+            shared["model"] = torch.load(folder / layout.MODEL, map_location="cpu", weights_only=True)
+        own = folder / layout.rank_file(self.ctx.rank)
         per_rank = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
-        return shared, per_rank, json.loads((found.path / layout.META).read_text())
+        return shared, per_rank, json.loads((folder / layout.META).read_text())
+
+
+def _folder(found: Found) -> Path:
+    """The step folder of `found`. This backend's find() gives a Path; a URL is the object store
+    backend's, which hands its local download on (ObjectStoreCheckpointer._local), never the URL."""
+    if not isinstance(found.path, Path):
+        raise ValueError(f"{found.path}: not a step folder (a URL is read through the object store backend)")
+    return found.path
 
 
 def _nbytes(obj: Any) -> int:

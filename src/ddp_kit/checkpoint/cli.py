@@ -46,7 +46,7 @@ def _root(run_dir: str) -> Path:
     return ckpts if ckpts.is_dir() else p
 
 
-def _out_path(out) -> Path:
+def _out_path(out: object) -> Path:
     """Refuse an --out that cannot be written before anything is loaded."""
     if out is None or isinstance(out, bool):  # fire passes True for a bare `--out`
         raise UserError("--out needs a file path", "e.g. --out model.pt")
@@ -63,9 +63,11 @@ def _out_path(out) -> Path:
     return p
 
 
-def _step(step) -> int | str | None:
-    if step is None or step == "latest":
-        return step
+def _step(step: object) -> int | str | None:
+    if step is None:
+        return None
+    if step == "latest":
+        return "latest"
     if isinstance(step, int) and not isinstance(step, bool):
         return step
     if isinstance(step, float) and step.is_integer():  # fire reads --step 1e3 as 1000.0
@@ -111,7 +113,7 @@ def list_(run_dir: str) -> None:
               f"{size:>10}  {at}{mark}" + (f"  -- {reason}" if reason else ""))
 
 
-def _format(format, dest: Path) -> str:
+def _format(format: str | None, dest: Path) -> str:
     """pt or safetensors: as given, else by the suffix of --out (.safetensors; anything else pt). A
     suffix that names the other format is refused: whoever receives the file goes by its name."""
     said = {weights.SUFFIX: "safetensors", ".pt": "pt", ".pth": "pt"}.get(dest.suffix.lower())
@@ -234,13 +236,14 @@ def _read_object(path: Path, name: str) -> dict[str, Any]:
     import torch
 
     if name == "model" and (path / layout.MODEL).exists():
-        return torch.load(path / layout.MODEL, map_location="cpu", weights_only=True)
+        return _state_dict(torch.load(path / layout.MODEL, map_location="cpu", weights_only=True), layout.MODEL, path)
     sharded = _dcp_names(path)
     if name in sharded:
         return _consolidate(path, name)
-    shared = torch.load(path / layout.TRAIN_STATE, map_location="cpu", weights_only=True)
+    shared = _state_dict(torch.load(path / layout.TRAIN_STATE, map_location="cpu", weights_only=True),
+                         layout.TRAIN_STATE, path)
     if name in shared:
-        return shared[name]
+        return _state_dict(shared[name], f"{name!r} of {layout.TRAIN_STATE}", path)
     held = sorted(set(sharded) | set(shared) | ({"model"} if (path / layout.MODEL).exists() else set()))
     raise UserError(f"checkpoint {str(path)!r} holds no {name!r} (it holds: {', '.join(held)})",
                     f"pass --name with one of those; {LIST_HINT}")
@@ -268,7 +271,16 @@ def _consolidate(path: Path, name: str = "model") -> dict[str, Any]:
     reader = safe_reader(path / layout.DCP)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore")
-        return _load_state_dict_from_keys(keys={name}, storage_reader=reader)[name]
+        return _state_dict(_load_state_dict_from_keys(keys={name}, storage_reader=reader)[name], f"{name!r} of dcp/", path)
+
+
+def _state_dict(obj: object, what: str, path: Path) -> dict[str, Any]:
+    """`obj` (read from checkpoint `path`: whoever can write the folder chose it) as the dict export writes,
+    refused in one line when it is something else."""
+    if not isinstance(obj, dict):
+        raise UserError(f"checkpoint {str(path)!r}: {what} holds an object of type {type(obj).__name__}, not a state dict",
+                        f"pass --name with a model or another state dict; {LIST_HINT}")
+    return obj
 
 
 def main() -> None:

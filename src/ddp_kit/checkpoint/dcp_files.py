@@ -27,13 +27,15 @@ def gloo_group(timeout_s: float) -> Any:
 def write(step_dir: Path, sharded: dict[str, Any], group: Any, now: bool, stager: Any = None) -> Any:
     """Every rank writes its shards into step_dir/dcp/: now (returns DCP's metadata), or from DCP's
     thread (returns a Future), staged by `stager` when one is given."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-    options = dict(storage_writer=dcp.FileSystemWriter(step_dir / layout.DCP), process_group=group,
-                   no_dist=group is None)
+    writer = FileSystemWriter(step_dir / layout.DCP)
     if now:
-        return dcp.save(sharded, **options)
-    return dcp.async_save(sharded, **options, **({"async_stager": stager} if stager else {}))
+        return save(sharded, storage_writer=writer, process_group=group, no_dist=group is None)
+    # named only when there is one: dcp_stager makes none for a torch whose async_save lacks the parameter
+    extra: dict[str, Any] = {"async_stager": stager} if stager else {}
+    return async_save(sharded, storage_writer=writer, process_group=group, no_dist=group is None, **extra)
 
 
 def written(step_dir: Path, rank: int, metadata: Any) -> dict[str, Any]:
@@ -66,7 +68,7 @@ def keys(step_dir: Path) -> set[str]:
 def load(step_dir: Path, template: dict[str, Any], group: Any, before_read: Callable[[set[str]], None] | None = None) -> None:
     """Fill `template` from step_dir/dcp/ (collective over `group`), through the allow-listed reader
     (`before_read`: see safe_load.reader)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    dcp.load(template, storage_reader=safe_load.reader(step_dir / layout.DCP, before_read), process_group=group,
+    dcp_load(template, storage_reader=safe_load.reader(step_dir / layout.DCP, before_read), process_group=group,
              no_dist=group is None)

@@ -1,6 +1,7 @@
 """Whether the installed torch's DCP stager can be kept across asynchronous saves, and making one."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ def reusable_stager(device: torch.device) -> Any:
     try:
         import inspect
 
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+        if "async_stager" not in inspect.signature(async_save).parameters:
             return None
         if not _stager_reuses(DefaultStager, StagingOptions):
             return None
@@ -28,15 +29,17 @@ def reusable_stager(device: torch.device) -> Any:
         return None
 
 
-def _stager_reuses(stager_type, options_type) -> bool:
+def _stager_reuses(stager_type: Callable[..., Any], options_type: Callable[..., Any]) -> bool:
     """Whether a stager's second copy of the same tensor lands where its first did (probed on the CPU;
-    a stager that fails the probe is not used)."""
+    a stager that fails the probe is not used). The types are the installed torch's, whose signatures
+    differ between versions: whatever does not fit fails the probe."""
     try:
         probe, t = stager_type(options_type(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                             use_non_blocking_copy=False)), torch.zeros(4)
         try:
-            first = probe.stage({"t": t})["t"]
-            return probe.stage({"t": t})["t"].data_ptr() == first.data_ptr()
+            first: torch.Tensor = probe.stage({"t": t})["t"]
+            again: torch.Tensor = probe.stage({"t": t})["t"]
+            return again.data_ptr() == first.data_ptr()
         finally:
             probe.close()
     except Exception:

@@ -11,9 +11,12 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 
 class _HashingWriter(io.RawIOBase):
@@ -24,10 +27,10 @@ class _HashingWriter(io.RawIOBase):
     buffer torch frees afterwards, so it is never held past the call and never copied.
     """
 
-    def __init__(self, f):
+    def __init__(self, f: IO[bytes]):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
-        self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[ReadableBuffer | None] = queue.SimpleQueue()  # None: no more chunks
+        self._done: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._t = threading.Thread(target=self._hash, daemon=True)
         self._t.start()
 
@@ -39,11 +42,11 @@ class _HashingWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:
+    def write(self, b: ReadableBuffer) -> int:
         self._todo.put(b)
         n = self.f.write(b)
         self._done.get()
-        self.size += len(b) if not isinstance(b, memoryview) else b.nbytes
+        self.size += memoryview(b).nbytes  # in bytes, whichever buffer type torch hands over
         return n
 
     def digest(self) -> str:
@@ -59,7 +62,8 @@ def dump(raw: IO[bytes], obj: Any, as_json: bool, delay_s: float = 0.0) -> dict[
     if as_json:
         w.write(json.dumps(obj, indent=1, sort_keys=True).encode())
     else:
-        torch.save(obj, w)
+        # torch.FileLike names IO[bytes], but torch.save takes any object with write() (its docs say so)
+        torch.save(obj, w)  # type: ignore[arg-type]
     if delay_s:
         time.sleep(delay_s)  # test hook: make the window for a kill-during-save wide
     return {"size": w.size, "sha256": w.digest()}

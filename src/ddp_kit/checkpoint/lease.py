@@ -38,6 +38,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import UserError
@@ -196,7 +197,7 @@ def _read_record(store: Store, generation: int) -> dict[str, Any] | None:
         return None
 
 
-def _watch(store: Store, held: int, record: dict[str, Any], me: dict[str, Any], say) -> str | None:
+def _watch(store: Store, held: int, record: dict[str, Any], me: dict[str, Any], say: Callable[[str], None]) -> str | None:
     """Wait until the holder of generation `held` renews (None: it is alive) or its ttl runs out (why
     it is gone). At most ttl / RENEW_PARTS plus a margin for a live holder, the ttl for a dead one."""
     ttl = float(record.get("ttl_s", LEASE_TTL_S))
@@ -216,7 +217,8 @@ def _watch(store: Store, held: int, record: dict[str, Any], me: dict[str, Any], 
     return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which stopped renewing (ttl {ttl:g}s)"
 
 
-def acquire(store: Store, me: dict[str, Any], ttl_s: float = LEASE_TTL_S, say=None) -> tuple[int, str]:
+def acquire(store: Store, me: dict[str, Any], ttl_s: float = LEASE_TTL_S,
+            say: Callable[[str], None] | None = None) -> tuple[int, str]:
     """Take the location for this job (rank 0, before anything is written); returns the generation held
     and this holder's token. Refused in one line, naming the holder, when another job holds it."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -266,7 +268,8 @@ def abort_incomplete_uploads(store: Store) -> int:
         return 0
     bucket, key, _ = store.fs.split_path(store.root)
     prefix = key.rstrip("/") + "/"
-    aborted, marker = 0, {}
+    aborted = 0
+    marker: dict[str, str] = {}  # where the next page of the listing starts
     while True:
         page = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
         for upload in page.get("Uploads", []):

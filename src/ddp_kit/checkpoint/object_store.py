@@ -69,13 +69,15 @@ def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError |
     probe. Returns rank 0's lease keeper (None on the other ranks)."""
     if ctx.world_size > 1 and not all_true(ctx, problem is None):
         mine = None if problem is None else (ctx.rank, socket.gethostname(), problem.message, problem.hint)
-        gathered = gather_object(ctx, mine)
-        r, host, message, hint = broadcast_object(ctx, next(g for g in gathered if g) if ctx.is_main else None)
+        gathered = gather_object(ctx, mine)  # the list on rank 0, None on the others
+        r, host, message, hint = broadcast_object(ctx, next(g for g in gathered if g) if gathered is not None else None)
         err = UserError(message, hint, rank=r, verdict=True)
         err.host = host
         raise err
     if problem is not None:
         raise problem
+    if where is None:  # the store is missing only when opening it failed, and then `problem` says why
+        raise ValueError("check_every_rank: no store, and no problem saying why")
     keeper = None
 
     def take() -> None:
@@ -124,8 +126,8 @@ def probe(ctx: DistContext, where: Store) -> None:
 
     if ctx.world_size > 1 and not all_true(ctx, seen):
         rank0_verdict(ctx, delete)
-        gathered = gather_object(ctx, None if seen else (ctx.rank, socket.gethostname(), why))
-        blind = broadcast_object(ctx, [g for g in gathered if g] if ctx.is_main else None)
+        gathered = gather_object(ctx, None if seen else (ctx.rank, socket.gethostname(), why))  # None off rank 0
+        blind = broadcast_object(ctx, [g for g in gathered if g] if gathered is not None else None)
         r, host, why = blind[0]
         more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
         raise UserError(f"rank {r} on {host}{more} cannot read checkpoint location {where.url!r}, which rank 0 "
@@ -469,10 +471,16 @@ class ObjectStoreCheckpointer(Checkpointer):
     def sharded_keys(self, found: Found) -> set[str]:
         return super().sharded_keys(self._local(found))
 
-    def load_sharded(self, found: Found, template: dict[str, Any]) -> None:
+    def load_sharded(self, found: Found, template: dict[str, Any],
+                     before_read: Callable[[set[str]], None] | None = None) -> None:
         local = self._local(found)
         if local is found:
-            return super().load_sharded(found, template)
-        # Only the shard files this rank's load plan reads (on another world size, parts of several).
-        wanted = lambda names: self._fetch(found, {layout.dcp_file(n) for n in names}.__contains__)  # noqa: E731
+            return super().load_sharded(found, template, before_read)
+
+        def wanted(names: set[str]) -> None:
+            # Only the shard files this rank's load plan reads (on another world size, parts of several).
+            self._fetch(found, {layout.dcp_file(n) for n in names}.__contains__)
+            if before_read is not None:
+                before_read(names)
+
         super().load_sharded(local, template, before_read=wanted)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,7 +13,8 @@ def rng_state() -> dict[str, Any]:
     device), so a checkpoint of the torchrun layout (every GPU visible) resumes in the srun layout
     (one GPU per task) and back."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    initialized: Callable[[], bool] = torch.cuda.is_initialized  # torch leaves it unannotated
+    if torch.cuda.is_available() and initialized():
         state["cuda_own"] = torch.cuda.get_rng_state()
     return state
 
@@ -29,5 +31,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states[min(torch.cuda.current_device(), len(states) - 1)].cpu())
 
 
-def _as_tuple(x):
+def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -17,12 +17,16 @@ checkpoint is one more invalid checkpoint: named in one line, and resume falls b
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import layout
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import LoadPlanner
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED = {
@@ -40,6 +44,10 @@ class ForgedCheckpoint(Exception):
 
 
 class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can be watched (BUILD)
+    # Parts of the pure-Python unpickler that typeshed's pickle._Unpickler stub leaves out.
+    stack: list[Any]
+    load_build: Callable[[], None]
+
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
@@ -57,13 +65,14 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can 
         # would rewrite the class for the whole process (pathlib.Path.__truediv__ = ...).
         if isinstance(self.stack[-2], type):
             raise ForgedCheckpoint("DCP metadata sets attributes of a class, which metadata never does")
-        pickle._Unpickler.load_build(self)
+        self.load_build()
 
     dispatch = dict(pickle._Unpickler.dispatch)
-    dispatch[pickle.BUILD[0]] = _build
+    # typeshed types dispatch's handlers as taking the C pickle.Unpickler; they take the _Unpickler they run on
+    dispatch[pickle.BUILD[0]] = _build  # type: ignore[assignment]
 
 
-def read_dcp_metadata(folder: str | Path) -> Any:
+def read_dcp_metadata(folder: str | os.PathLike[str]) -> Any:
     """DCP's Metadata of `folder` (a dcp/ folder), unpickled with the allow-list; every storage item
     must name a file of the folder itself and lie inside it (a forged one could name /dev/zero). A shard
     not downloaded yet (object store: a rank fetches only the shards it reads) is measured by the size
@@ -118,9 +127,9 @@ def reader(folder: str | Path, before_read: Callable[[set[str]], None] | None = 
     """A DCP FileSystemReader over `folder` that unpickles nothing outside the allow-list. `before_read`
     is told the files (relative to `folder`) this rank's load plan reads, before any is opened: a
     backend that downloads fetches only those."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    class SafeReader(dcp.FileSystemReader):
+    class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:  # per-rank metadata files are a mode ddp_kit never writes
                 raise ForgedCheckpoint("per-rank DCP metadata is not read by ddp_kit")
@@ -137,7 +146,8 @@ def reader(folder: str | Path, before_read: Callable[[set[str]], None] | None = 
         def read_data(self, plan: Any, planner: Any) -> Any:
             if before_read is not None:
                 before_read({self.storage_data[item.storage_index].relative_path for item in plan.items})
-            return super().read_data(plan, _CheckedBytes(planner))
+            # _CheckedBytes is not a LoadPlanner subclass but forwards every attribute to the one it wraps
+            return super().read_data(plan, cast("LoadPlanner", _CheckedBytes(planner)))
 
     return SafeReader(folder)
 

@@ -3,6 +3,7 @@ page-locked buffer per file that the asynchronous save copies into without stall
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,20 +29,26 @@ class HostBuffer:
         self._raw = torch.empty(size + PAGE, dtype=torch.uint8)
         start = -self._raw.data_ptr() % PAGE
         self.data = self._raw[start:start + size]
-        self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), size, 0)) == 0
+        self.pinned = int(_cudart().cudaHostRegister(self.data.data_ptr(), size, 0)) == 0
         if not self.pinned:
             _clear_cuda_error()
 
     def release(self) -> None:
         if getattr(self, "pinned", False):
             self.pinned = False
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            _cudart().cudaHostUnregister(self.data.data_ptr())
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.release()
         except Exception:  # at interpreter exit CUDA may be gone already
             pass
+
+
+def _cudart() -> Any:
+    """torch's binding of the CUDA runtime (torch.cuda.cudart has no annotations: typed here)."""
+    runtime: Callable[[], Any] = torch.cuda.cudart
+    return runtime()
 
 
 def _clear_cuda_error() -> None:
@@ -95,7 +102,7 @@ def snapshot(obj: Any, reuse: Any = None, host: HostBuffer | None = None) -> tup
     return _copy(obj, reuse, iter(views)), host
 
 
-def _copy(obj: Any, reuse: Any, views) -> Any:
+def _copy(obj: Any, reuse: Any, views: Iterator[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cuda":
             return next(views)
@@ -106,8 +113,8 @@ def _copy(obj: Any, reuse: Any, views) -> Any:
         prev = reuse if isinstance(reuse, dict) else {}
         return {k: _copy(v, prev.get(k), views) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        prev = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        return type(obj)(_copy(v, r, views) for v, r in zip(obj, prev))
+        same: Sequence[Any] = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy(v, r, views) for v, r in zip(obj, same))
     return obj
 
 

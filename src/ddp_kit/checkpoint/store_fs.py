@@ -143,8 +143,9 @@ def storage_options(environ: dict[str, Any] | None = None) -> dict[str, Any]:
         return {}
     try:
         options = json.loads(raw)
-    except ValueError as exc:
-        raise UserError(f"{STORAGE_OPTIONS_ENV} is not valid JSON ({exc.msg} at character {exc.pos})",
+    except ValueError as exc:  # JSONDecodeError, or a number too long to convert (int's digit limit)
+        why = f"{exc.msg} at character {exc.pos}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise UserError(f"{STORAGE_OPTIONS_ENV} is not valid JSON ({why})",
                         f'set it to a JSON object, e.g. {STORAGE_OPTIONS_ENV}=\'{{"endpoint_url": "http://host:9000"}}\'') from None
     if not isinstance(options, dict):
         raise UserError(f"{STORAGE_OPTIONS_ENV} must be a JSON object (keyword arguments of the file system), "
@@ -187,7 +188,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
-def no_credentials(exc: BaseException) -> bool:
+def no_credentials(exc: BaseException | None) -> bool:
     """botocore's NoCredentialsError / PartialCredentialsError, google-auth's DefaultCredentialsError,
     azure's ClientAuthenticationError, anywhere in the chain (by name: their packages are optional)."""
     seen = 0

@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ..errors import UserError
@@ -35,7 +36,7 @@ SUFFIX = ".safetensors"
 INSTALL = "pip install 'ddp_kit[safetensors]'"
 
 
-def _safetensors():
+def _safetensors() -> ModuleType:
     """safetensors.torch, or one line naming the extra that installs it."""
     try:
         import safetensors.torch
@@ -65,7 +66,7 @@ def _plain(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[st
 
     tensors: dict[str, torch.Tensor] = {}
     shared: dict[str, str] = {}
-    owners: dict[tuple, str] = {}  # (device, storage address) -> the first key that uses it
+    owners: dict[tuple[torch.device, int], str] = {}  # (device, storage address) -> the first key that uses it
     for key, value in state.items():
         if not isinstance(key, str):
             raise UserError(f"{what} has a key {key!r} that is not a string: a safetensors file names tensors by strings",
@@ -87,7 +88,7 @@ def _plain(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[st
     return tensors, shared
 
 
-def save_weights(state: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, Any] | None = None,
+def save_weights(state: Mapping[str, Any], path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None,
                  what: str = "the state_dict") -> dict[str, str]:
     """Write `state` (a plain state_dict of whole tensors) to `path` as safetensors, with `metadata`
     (values turned into strings) in the header; returns the header written. Written beside `path` and
@@ -121,7 +122,7 @@ def save_weights(state: Mapping[str, Any], path: str | os.PathLike, metadata: Ma
     return head
 
 
-def read_weights(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+def read_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """({name: CPU tensor}, header) of safetensors file `path`. Nothing is unpickled: safetensors reads
     a JSON header and raw bytes. A missing or unreadable file, or one that is not safetensors (a
     torch.save pickle), is one line."""
@@ -163,7 +164,7 @@ def _fit(module: Any, state: Mapping[str, Any], strict: bool, path: Path) -> Non
                         "build the model with the sizes the run trained")
 
 
-def load_weights(model: Any, path: str | os.PathLike, strict: bool = True) -> dict[str, str]:
+def load_weights(model: Any, path: str | os.PathLike[str], strict: bool = True) -> dict[str, str]:
     """Load safetensors file `path` into `model` (plain, under DDP or torch.compile, or sharded by
     FSDP: each rank keeps its own shards), for fine-tuning or evaluation at any world size; returns
     the file's header (step, strategy, ... as strings). Call it on every rank, before or after
