@@ -1,4 +1,4 @@
-"""A plain loop under strategy ft for tests/test_ft.py, with two test hooks:
+"""A plain loop under strategy ft for tests/parallel/test_ft.py, with two test hooks:
 
 - busy: while RUN_DIR/busy exists, replica group 0 does not ask for its next quorum, as an
   evaluation or a synchronous checkpoint keeps it from doing (it says so in RUN_DIR/busy_since and

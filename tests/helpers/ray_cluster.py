@@ -1,4 +1,4 @@
-"""A local Ray cluster for tests/test_ray.py, held for as long as this process's stdin is open.
+"""A local Ray cluster for tests/launch/test_ray.py, held for as long as this process's stdin is open.
 
     python ray_cluster.py TEMP_DIR NUM_CPUS    writes TEMP_DIR/address (the GCS address) once up
 

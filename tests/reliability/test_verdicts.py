@@ -3,7 +3,7 @@ for faults made with real processes: signals, an exception in the loop, bad inpu
 and an exception that repeats at the same step under torchrun --max-restarts.
 
 Not made here (say so, do not fake): out of memory needs a GPU to be the real thing (the classification
-of torch's OutOfMemoryError is in tests/test_verdicts_unit.py); a full disk needs a filesystem of its own."""
+of torch's OutOfMemoryError is in tests/reliability/test_verdicts_unit.py); a full disk needs a filesystem of its own."""
 from __future__ import annotations
 
 import json

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import HELPERS, ROOT, ok, proc_env, read_json, run_cmd, torchrun
-from test_preempt import wait_step
+from procs import wait_step
 
 # 2 epochs of 22 steps (digits, global batch 64); a checkpoint every 5 steps puts resumes mid-epoch.
 BASE = ["-m", "ddp_kit.train", "--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5",

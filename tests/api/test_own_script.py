@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import HELPERS, ROOT, ok, proc_env, run_cmd, since_ranks_met
-from test_reliability import finish, wait_for, workers
+from procs import finish, wait_for, workers
 
 INJECT = str(HELPERS / "inject.py")
 # name: (script, its arguments, the run_dir it passes to ddp_kit.init, relative to its cwd)

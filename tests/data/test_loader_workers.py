@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from conftest import HELPERS, ROOT, ok, proc_env, torchrun
 from ddp_kit.data import TrainLoader
 from helpers.noisy import Noisy
-from test_preempt import ARGS, wait_step
+from procs import ARGS, wait_step
 
 
 def _batches(loader, epochs=2):
@@ -127,11 +127,11 @@ def test_automatic_workers_fit_the_data_and_the_users_count_is_kept():
 
     from ddp_kit.dist.resources import loader_workers
     from ddp_kit.env import DistEnv
-    from test_api_loader import _runs
+    from procs import runs_without_group
 
     auto = loader_workers(DistEnv(), torch.device("cuda"), cpus_visible=64)
     assert auto == 8
-    run = _runs(world=2)[0]
+    run = runs_without_group(world=2)[0]
 
     def workers(dataset, batch, count):  # the workers each loader would start (none is iterated here)
         train = run.train_loader(DataLoader(dataset, batch_size=batch, num_workers=count, drop_last=True))

@@ -28,7 +28,7 @@ from ddp_kit.launch import k8s as launch_k8s
 
 client = pytest.importorskip("kubernetes.client")  # the `test` extra installs it
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 TEMPLATES = Path(launch_k8s.__file__).parent / "templates" / "k8s"
 BASE = {"image": "ghcr.io/example/ddp_kit:0.1", "pvc": "ckpt", "run_dir": "/mnt/ckpt/mnist", "grace_period_s": 120,
         "name": "mnist", "namespace": "ml"}

@@ -1,31 +1,17 @@
 """Outside SLURM: SIGTERM (sent by PID to a process we started) finishes the step, checkpoints and exits 75;
 running the same command again resumes and ends bit-identical to an uninterrupted run."""
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import REFERENCE_2_EPOCHS, ROOT, ok, proc_env, read_json, run_cmd
+from procs import ARGS, wait_step
 
 pytestmark = pytest.mark.integration  # every test here starts real processes
 
-# 44 steps; SIGTERM lands after step 10 and the ranks agree on it every 10 steps. No timed checkpoint
-# before the end: the one the test finds is the stop's own.
-ARGS = ["-m", "ddp_kit.train", "--epochs", "2", "--log_every", "5", "--ckpt_every", "100", "--progress", "false"]
-
-
-def wait_step(run_dir, step, proc, timeout=60):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        m = run_dir / "metrics.jsonl"
-        if m.exists() and any(json.loads(line).get("step", 0) >= step for line in m.read_text().splitlines() if line):
-            return
-        time.sleep(0.1)
-    pytest.fail(f"never reached step {step}")
 
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])

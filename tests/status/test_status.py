@@ -15,7 +15,7 @@ from ddp_kit.errors import EXIT_USER_ERROR
 from ddp_kit.ledger import CAUSES, account, load, read
 from ddp_kit.status import main, render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from status_bench import synthetic_run  # noqa: E402
 

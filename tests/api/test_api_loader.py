@@ -15,22 +15,10 @@ from torch.utils.data import (
 )
 
 from conftest import HELPERS, run_cmd, torchrun
-from ddp_kit.api import Run
-from ddp_kit.boundary.core import StepBoundary
-from ddp_kit.boundary.policy import Policy
-from ddp_kit.dist import DistContext
-from ddp_kit.env import DistEnv
 from ddp_kit.errors import UserError
-from ddp_kit.reliability.preemption import PreemptFlag
-from ddp_kit.reliability.progress import Progress
+from procs import runs_without_group
 
 DS = TensorDataset(torch.arange(40))
-
-
-def _runs(world=2, seed=0):
-    """One Run per rank, without a process group: loaders need only rank and world size."""
-    ctxs = [DistContext(DistEnv(rank=r, world_size=world), torch.device("cpu"), "gloo") for r in range(world)]
-    return [Run(c, None, StepBoundary(c, Policy(hang_timeout_s=0), Progress(), PreemptFlag()), True, seed) for c in ctxs]
 
 
 def _steps(loaders, epochs=1):
@@ -43,7 +31,7 @@ def _steps(loaders, epochs=1):
 
 
 def test_sequential_loader_becomes_an_unshuffled_shard():
-    steps = _steps([run.train_loader(DataLoader(DS, batch_size=8)) for run in _runs()], epochs=2)
+    steps = _steps([run.train_loader(DataLoader(DS, batch_size=8)) for run in runs_without_group()], epochs=2)
     assert [sorted(s) for s in steps] == [list(range(k * 8, k * 8 + 8)) for k in range(5)] * 2
 
 
@@ -51,7 +39,7 @@ def test_shuffle_is_seeded_by_the_loaders_generator_else_run_seed():
     def order(seed=0, gen=None, sampler_gen=None):
         ld = (DataLoader(DS, batch_size=8, sampler=RandomSampler(DS, generator=sampler_gen)) if sampler_gen else
               DataLoader(DS, batch_size=8, shuffle=True, generator=gen))
-        loaders = [run.train_loader(ld) for run in _runs(seed=seed)]
+        loaders = [run.train_loader(ld) for run in runs_without_group(seed=seed)]
         return loaders[0].state_dict()["seed"], _steps(loaders, epochs=2)
 
     seed, steps = order(gen=torch.Generator().manual_seed(7))
@@ -64,7 +52,7 @@ def test_shuffle_is_seeded_by_the_loaders_generator_else_run_seed():
 def test_subset_random_sampler_shards_the_subset():
     subset = list(range(3, 40, 3))  # 13 indices
     ld = DataLoader(DS, batch_size=4, sampler=SubsetRandomSampler(subset), drop_last=True)
-    steps = _steps([run.train_loader(ld) for run in _runs()], epochs=2)
+    steps = _steps([run.train_loader(ld) for run in runs_without_group()], epochs=2)
     assert len(steps) == 6 and all(len(s) == len(set(s)) == 4 for s in steps)
     assert all(set(sum(steps[e * 3:e * 3 + 3], [])) <= set(subset) for e in (0, 1))
     assert steps[:3] != steps[3:]
@@ -89,7 +77,7 @@ class Mine(Sampler):
 ])
 @pytest.mark.parametrize("kind", ["train", "eval"])
 def test_refused_in_one_line_with_a_hint(make, needles, kind):
-    run = _runs()[0]
+    run = runs_without_group()[0]
     with pytest.raises(UserError) as err:
         (run.train_loader if kind == "train" else run.eval_loader)(make())
     assert err.value.hint and "\n" not in err.value.line()
@@ -98,7 +86,7 @@ def test_refused_in_one_line_with_a_hint(make, needles, kind):
 
 
 def test_drop_last_false_says_the_tail_is_skipped(capsys):
-    rank0, rank1 = _runs()
+    rank0, rank1 = runs_without_group()
     rank0.train_loader(DataLoader(DS, batch_size=16))  # 40 = 2 x 16 + 8
     rank1.train_loader(DataLoader(DS, batch_size=16))
     err = capsys.readouterr().err
@@ -124,7 +112,7 @@ class Marked(torch.utils.data.Dataset):
 
 @pytest.mark.integration
 def test_worker_init_fn_is_kept():
-    loader = _runs(1)[0].train_loader(DataLoader(Marked(), batch_size=4, num_workers=1, worker_init_fn=_mark_worker))
+    loader = runs_without_group(1)[0].train_loader(DataLoader(Marked(), batch_size=4, num_workers=1, worker_init_fn=_mark_worker))
     assert all(bool(b.all()) for b in loader)
 
 
@@ -132,13 +120,13 @@ def test_worker_init_fn_is_kept():
 def test_eval_loader_covers_each_sample_once(sampler):
     subset = list(range(0, 40, 3))
     s = {None: None, "random": RandomSampler(DS), "subset": SubsetRandomSampler(subset)}[sampler]
-    seen = [int(i) for run in _runs(3) for (b,) in run.eval_loader(DataLoader(DS, batch_size=5, sampler=s)) for i in b]
+    seen = [int(i) for run in runs_without_group(3) for (b,) in run.eval_loader(DataLoader(DS, batch_size=5, sampler=s)) for i in b]
     assert sorted(seen) == (subset if sampler == "subset" else list(range(40)))
 
 
 def test_eval_loader_refuses_drop_last():
     with pytest.raises(UserError, match="drop_last=True"):
-        _runs()[0].eval_loader(DataLoader(DS, batch_size=16, drop_last=True))
+        runs_without_group()[0].eval_loader(DataLoader(DS, batch_size=16, drop_last=True))
 
 
 class Stream(IterableDataset):
@@ -148,7 +136,7 @@ class Stream(IterableDataset):
 
 def test_iterable_dataset_refused_by_the_loaders():
     for kind in ("train", "eval"):
-        run = _runs()[0]
+        run = runs_without_group()[0]
         with pytest.raises(UserError, match="unsized IterableDataset"):
             (run.train_loader if kind == "train" else run.eval_loader)(DataLoader(Stream(), batch_size=2))
 

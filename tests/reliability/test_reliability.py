@@ -15,23 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import HELPERS, ROOT, ok, proc_env, run_cmd, torchrun
+from procs import errors, finish, wait_for, workers
 
 FAST = ["--progress", "false", "--log_every", "5"]
-
-
-def workers(stderr: str) -> str:
-    """stderr without torchrun's own report (the agent's traceback for failed or signalled workers,
-    which workers cannot suppress; README says so)."""
-    for marker in ("ChildFailedError", "SignalException"):  # torchrun's report of failed or signalled workers
-        cut = stderr.find(marker)
-        if cut >= 0:
-            start = stderr.rfind("Traceback (most recent call last):", 0, cut)
-            stderr = stderr[:start] if start >= 0 else stderr[:cut]
-    return stderr
-
-
-def errors(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("ddp_kit: error:")]
 
 
 def train(run_dir, *args, nproc=1, timeout=180, env=None):
@@ -45,29 +31,11 @@ def popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def wait_for(cond, proc: subprocess.Popen, timeout: float = 90, what: str = "") -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        if cond():
-            return
-        time.sleep(0.05)
-    out, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
-    pytest.fail(f"never saw {what} (exit {proc.poll()})\n{out[-2000:]}\n{err[-3000:]}")
-
-
 def logged_step(run_dir: Path, step: int):
     def cond():
         m = run_dir / "metrics.jsonl"
         return m.exists() and any(json.loads(ln).get("step", 0) >= step for ln in m.read_text().splitlines() if ln)
     return cond
-
-
-def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def group_alive(pgid: int) -> list[int]:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import HELPERS, ok, read_json, run_cmd
-from test_reliability import errors, workers
+from procs import errors, workers
 
 TASK = ["--model", "mytask:model", "--dataset", "mytask:data", "--loss", "mytask:loss"]
 

@@ -1,7 +1,7 @@
 """The fault-tolerant strategy's in-process parts (unit tier: no process, no torchft Manager, no
 lighthouse): replica group detection, the per-group run folder, the Replica's commit gate and
 counters, the strategy's refusals, the manager's startup errors, the loader's live move, and the
-launcher's restart policy over fake group processes. tests/test_ft.py runs the real thing."""
+launcher's restart policy over fake group processes. tests/parallel/test_ft.py runs the real thing."""
 from __future__ import annotations
 
 import signal
@@ -113,7 +113,7 @@ class FakeWork:
 
 class FakeManager:
     """Stands in for torchft's Manager (its quorum and commit calls, scripted); the real Manager's
-    behaviour across processes is what tests/test_ft.py covers with real lighthouses and groups."""
+    behaviour across processes is what tests/parallel/test_ft.py covers with real lighthouses and groups."""
 
     def __init__(self, commits=(), participants=(1,), peer_values=None, allreduce_ok=True):
         self.commits = list(commits)

@@ -9,7 +9,7 @@ from conftest import ROOT, run_cmd
 
 pytestmark = pytest.mark.integration  # every test here starts real processes
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 CASES = {
     "launch_srun.sbatch": ["--layout", "srun", "--nodes", "2", "--gpus_per_node", "4", "--partition", "gpu", "--time",
                            "02:00:00", "--dry_run", "--", "configs/default.yaml", "--epochs", "3", "--run_dir", "runs/x y"],
