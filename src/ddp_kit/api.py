@@ -63,7 +63,7 @@ from .reliability.preemption import PreemptFlag
 from .reliability.progress import Progress
 from .reliability.sync_checks import in_main_only, main_only
 from .run_folder import hang_folder
-from .run_options import config_as_json, per_replica_group, policy_from_options
+from .run_options import config_as_json, in_part, policy_from_options
 
 
 class Run:
@@ -94,8 +94,7 @@ class Run:
     def data_place(self) -> tuple[int, int]:
         """(shard, shards) this rank's training data is: its rank among every rank of every replica
         group of a fault-tolerant run (env.replica_groups), else (rank, world_size)."""
-        env = self.ctx.env
-        return env.replica_group * self.world_size + self.rank, env.replica_groups * self.world_size
+        return self.ctx.env.data_place(self.rank, self.world_size)
 
     def micro_batch(self, batch_size: int, grad_accum: int = 1) -> int:
         """The samples one rank loads per forward pass for a GLOBAL `batch_size` split over this run's
@@ -487,7 +486,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     # distributed() below; a second ddp_kit.init() is refused there.
     policy = policy_from_options(run_dir, options, _keywords(Run.prepare) - {"objs", "options"} | option_keywords(),
                                  _keywords(init, own=True))
-    policy = per_replica_group(policy, env.replica_group, env.replica_groups)
+    policy = in_part(policy, env.part)
     progress = Progress()
     box: list[StepBoundary] = []
     flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].saved_step if box else None)).install()

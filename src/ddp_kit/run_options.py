@@ -50,12 +50,11 @@ def policy_from_options(run_dir: str | Path | None, options: dict[str, Any], pre
     return Policy(run_dir=None if run_dir is None else str(run_dir), **options)
 
 
-def per_replica_group(policy: Policy, group: int, groups: int) -> Policy:
-    """A replica group of a fault-tolerant run (strategy ft) keeps its own run folder and checkpoints,
-    `replica_<g>` under the ones given: each group is a job of its own to the run folder's lock, its
-    metrics and its commit protocol, and any one group's checkpoints resume the run."""
-    if groups <= 1 or policy.run_dir is None:
+def in_part(policy: Policy, sub: str | None) -> Policy:
+    """A launch that is part of a job (DistEnv.part: a replica group of a fault-tolerant run) keeps its
+    own run folder and checkpoints, `sub` under the ones given: a job of its own to the run folder's
+    lock, its metrics and its commit protocol, and any one part's checkpoints resume the run."""
+    if sub is None or policy.run_dir is None:
         return policy
-    sub = f"replica_{group}"
     ckpt = None if policy.ckpt_dir is None else policy.ckpt_dir.rstrip("/") + "/" + sub
     return dataclasses.replace(policy, run_dir=str(Path(policy.run_dir) / sub), ckpt_dir=ckpt)

@@ -22,7 +22,7 @@ from ddp_kit.errors import UserError
 from ddp_kit.launch import ft as launch_ft
 from ddp_kit.parallel import ft
 from ddp_kit.parallel.strategy import strategy, strategy_of
-from ddp_kit.run_options import per_replica_group
+from ddp_kit.run_options import in_part
 
 # What torchrun puts into a worker's environment (rank 1 of a 2-rank group on one node).
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
@@ -84,12 +84,13 @@ def test_a_count_that_is_no_whole_number_is_one_line_naming_it(key, raw):
     one_line(err.value)
 
 
-# ---- run_options.per_replica_group --------------------------------------------------------------
+# ---- run_options.in_part, DistEnv.part -------------------------------------------------------------------
 
 @pytest.mark.parametrize("ckpt, expected", [("s3://b/p", "s3://b/p/replica_2"), ("s3://b/p/", "s3://b/p/replica_2"),
                                             ("/mnt/ckpt", "/mnt/ckpt/replica_2"), (None, None)])
 def test_each_group_gets_its_own_run_folder_and_checkpoints(ckpt, expected):
-    policy = per_replica_group(Policy(run_dir="runs/ft", ckpt_dir=ckpt, ckpt_every=5), 2, 3)
+    part = DistEnv(replica_group=2, replica_groups=3).part
+    policy = in_part(Policy(run_dir="runs/ft", ckpt_dir=ckpt, ckpt_every=5), part)
     assert Path(policy.run_dir) == Path("runs/ft/replica_2")
     assert policy.ckpt_dir == expected
     assert policy.ckpt_every == 5  # the rest is the run's
@@ -97,8 +98,8 @@ def test_each_group_gets_its_own_run_folder_and_checkpoints(ckpt, expected):
 
 def test_one_group_or_no_run_folder_is_unchanged():
     policy = Policy(run_dir="runs/ft", ckpt_dir="s3://b/p")
-    assert per_replica_group(policy, 0, 1) == policy
-    assert per_replica_group(Policy(), 1, 2) == Policy()
+    assert in_part(policy, DistEnv(replica_group=0, replica_groups=1).part) == policy
+    assert in_part(Policy(), DistEnv(replica_group=1, replica_groups=2).part) == Policy()
 
 
 # ---- parallel.ft.Replica ------------------------------------------------------------------------

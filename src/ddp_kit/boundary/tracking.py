@@ -32,7 +32,7 @@ META_KEY = "trackers"  # in a checkpoint's meta.json: {tracker: {"run_id": ..., 
 
 def hub_for(ctx: Any, names: tuple[str, ...]) -> Hub:
     """This attempt's trackers: live on the rank that logs, a no-op on every other."""
-    return Hub(names, active=ctx.is_main and ctx.env.replica_group == 0)
+    return Hub(names, active=ctx.is_main and ctx.env.leads_job)
 
 
 def open_trackers(b: Boundary, start: int, saved: dict[str, Any] | None = None) -> None:
@@ -97,15 +97,11 @@ def _name(b: Boundary) -> str:
     if b.rd is None:
         return "ddp_kit"
     path = b.rd.path
-    return path.parent.name if b.ctx.env.replica_groups > 1 else path.name  # replica_<g> is the run's part
+    return path.parent.name if b.ctx.env.part else path.name  # the folder of a part is the run's own
 
 
 def _facts(b: Boundary) -> dict[str, Any]:
     import torch
 
-    env = b.ctx.env
-    facts = {"ddp_kit": __version__, "torch": torch.__version__, "world_size": b.ctx.world_size,
-             "backend": b.ctx.backend, "device": str(b.ctx.device), "strategy": b.strategy.name}
-    if env.replica_groups > 1:
-        facts["replica_groups"] = env.replica_groups
-    return facts
+    return {"ddp_kit": __version__, "torch": torch.__version__, "world_size": b.ctx.world_size,
+            "backend": b.ctx.backend, "device": str(b.ctx.device), "strategy": b.strategy.name, **b.ctx.env.job_facts()}

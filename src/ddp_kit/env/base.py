@@ -99,6 +99,27 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    # ---- what a launch of several replica groups means to the rest of ddp_kit, asked here ----
+    @property
+    def part(self) -> str | None:
+        """The sub-folder of the run folder (and of its checkpoint location) that this launch's share
+        of the run keeps, a job of its own to the lock, the metrics and the commits; None: the whole."""
+        return f"replica_{self.replica_group}" if self.replica_groups > 1 else None
+
+    @property
+    def leads_job(self) -> bool:
+        """This launch speaks for the whole job where one must (the experiment trackers)."""
+        return self.replica_group == 0
+
+    def data_place(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(shard, shards) of the training data `rank` of this launch's `world_size` reads: its place among
+        the ranks of every launch of the job."""
+        return self.replica_group * world_size + rank, self.replica_groups * world_size
+
+    def job_facts(self) -> dict[str, int]:
+        """What the job is beyond this launch, for a tracker's run parameters."""
+        return {"replica_groups": self.replica_groups} if self.replica_groups > 1 else {}
+
 
 def int_var(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
     """`environ[key]` as an int; `default` when unset or empty (no default: refused as missing)."""

@@ -1,6 +1,6 @@
-"""How a model is spread over ranks: one file per strategy (ddp.py, fsdp.py), each defining a
-`Strategy` (strategy.py, which also holds the registry), the entry `wrap.wrap_model`, and the
-precision (precision.py) and device (device.py) helpers around them."""
+"""How a model is spread over ranks: one file per strategy, each defining a `Strategy` and its own
+options (the registry is strategy.py's), the entry `wrap.wrap_model`, and the precision and device
+helpers around them."""
 
 # The public names, each imported from its module on first use (so that the config can ask
 # parallel.strategy without loading torch).
