@@ -25,6 +25,7 @@ code: plain arguments (a Policy, a DistContext), never the job's config.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 import time
@@ -173,9 +174,12 @@ class StepBoundary:
             self.ctx.failfast.quiet()
         self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
         step = self.progress.step
+        found: list[str] = []
         code = handle(err, self.ctx, step, self.progress.phase, self.hang_dir,
-                      hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes)
+                      hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes, found=found)
         verdict = of_failure(code, err, posted_failure(self.ctx.store), self.ctx.rank, socket.gethostname(), step)
+        if found and verdict.name == "lost_peer":  # the peer that vanished, named, is the cause
+            verdict = dataclasses.replace(verdict, cause=found[0].removeprefix("ddp_kit: "))
         if repeats(verdict, self.previous_end):
             verdict, code = deterministic(verdict), EXIT_USER_ERROR
             if verdict.rank == self.ctx.rank or self.ctx.is_main and verdict.rank is None:

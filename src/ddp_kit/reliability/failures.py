@@ -40,8 +40,10 @@ def linger(ctx: DistContext) -> None:
 
 
 def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir: str, *,
-           hang_declared: bool = False, notes: Callable[[BaseException], list[str]] | None = None) -> int:
+           hang_declared: bool = False, notes: Callable[[BaseException], list[str]] | None = None,
+           found: list[str] | None = None) -> int:
     """Print what this rank should say about `err` (see the module docstring) and return the exit code.
+    `found`: gets the line naming a vanished peer, when a communication error was traced to one.
 
     The caller has already silenced its fail-fast thread and its stop-signal handling: this process
     handles its own failure, and its exit code is decided here."""
@@ -66,6 +68,8 @@ def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir
         if line:
             if ctx.is_main or "stopping:" in line:
                 print(line, file=sys.stderr, flush=True)
+            if found is not None:
+                found.append(line)
             return EXIT_PEER_FAILED
     # Posted first, so that the same error raised on every rank at once (a bug after the loop) is
     # printed by one of them. The launcher's SIGTERM to the survivors is ignored by a closing
