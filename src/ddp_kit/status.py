@@ -21,7 +21,7 @@ MEANING = {  # one line per cause, under the table
     "evaluation": "evaluation passes",
     "replayed": "steps trained, then lost to a restart from an older checkpoint, and trained again",
     "down": "from one attempt's end to the next one's launch (requeue, scheduling, restart back-off)",
-    "hang": "stalls before the watchdog fired",
+    "hang": "stalls: from the last progress to the watchdog's report",
     "replica": "strategy ft: pauses while replica groups left or joined, and discarded steps",
     "other": "what the ledger does not explain (teardown, final saves, clock noise)",
 }

@@ -78,7 +78,7 @@ class Watchdog:
         self._main_thread = threading.get_ident()
         self._thread = threading.Thread(target=self._loop, name="ddp_kit-watchdog", daemon=True)
         self.store = store
-        self.on_hang: Callable[[float], None] | None = None  # rank 0, before it exits: the stall's seconds
+        self.on_hang: Callable[[float], None] | None = None  # rank 0, before it exits: the seconds stuck
 
     def start(self) -> Watchdog:
         if self.store is not None and self.hang_timeout_s > 0:
@@ -172,6 +172,7 @@ class Watchdog:
         return path
 
     def _on_hang(self, stalled_for: float) -> None:
+        declared = time.monotonic()
         self.aborting.set()
         self._dump()
         if self.rank != 0:
@@ -194,7 +195,7 @@ class Watchdog:
         self.store.set(_ABORT, "hang")
         if self.on_hang is not None:
             try:
-                self.on_hang(stalled_for)
+                self.on_hang(stalled_for + time.monotonic() - declared)  # the stall, and the report after it
             except Exception:
                 pass  # the hang report is out; the exit must not wait on anything else
         time.sleep(self.poll_s * 1.5)  # the others see the flag, dump, and exit
