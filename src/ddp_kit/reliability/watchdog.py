@@ -99,12 +99,18 @@ class Watchdog:
     # ---- the thread ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        # A heartbeat at once, then one a poll: a rank killed before its first poll (a fast start)
+        # must still be found silent by the peer-loss diagnosis, not missing.
+        tick: Callable[[], object] = self._publish
+        while True:
             try:
-                self._tick()
+                tick()
             except Exception as exc:  # the store went away: the job is ending anyway
                 if not self._stop.is_set():
                     print(f"ddp_kit: [rank {self.rank}] watchdog stopped: {exc}", file=sys.stderr, flush=True)
+                return
+            tick = self._tick
+            if self._stop.wait(self.poll_s):
                 return
 
     def _publish(self, hang: bool = False) -> float:
