@@ -49,6 +49,18 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def outcome(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of `proc`; past `timeout` its whole session is killed (ours, by PID)
+    and the test fails showing what it printed."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s\n{(out + err)[-5000:]}")
+    return proc.returncode, out + err
+
+
 def wait_step(run_dir, step, proc, timeout=60):
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, proc_env
+from procs import outcome
 
 pytestmark = [pytest.mark.integration]
 
@@ -43,13 +44,7 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
 
 
 def finish(p: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"timed out after {timeout}s\n{(out + err)[-4000:]}")
-    return p.returncode, out + err
+    return outcome(p, timeout)
 
 
 def wait_step(run_dir: Path, step: int, p: subprocess.Popen, timeout: float = 60) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, proc_env
+from procs import outcome
 
 pytestmark = [pytest.mark.integration]
 
@@ -38,13 +39,7 @@ def torchrun(run: Path, *args: str, restarts: int = 0) -> subprocess.Popen:
 
 
 def finish(p: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"timed out after {timeout}s\n{(out + err)[-5000:]}")
-    return p.returncode, out + err
+    return outcome(p, timeout)
 
 
 def lines(path: Path) -> list[dict]:
