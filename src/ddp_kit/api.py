@@ -465,7 +465,8 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
 
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
     checkpoints. `options` are reliability.policy.Policy's fields: resume, ckpt_dir (checkpoints in another
-    folder or at a URL, s3://bucket/prefix), ckpt_upload_timeout_s, max_failed_attempts, ckpt_every, ckpt_every_s, keep_last,
+    folder or at a URL, s3://bucket/prefix), ckpt_upload_timeout_s, max_failed_attempts, ckpt_every, ckpt_every_s, mem_ckpt_every
+    (a memory-tier copy every N steps: README "Tiered checkpoints"), keep_last,
     async_ckpt, hang_timeout_s, peer_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
     sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin, trackers (["tensorboard", "mlflow",
     "wandb"]: every metrics.jsonl record also goes there, one tracker run across every attempt; README

@@ -59,10 +59,11 @@ class StepState:
     exit_code: int = 0  # how this attempt ends: set by a failure and by a stop (attempts.py records it)
     attempt_started: bool = False  # attempts.begin recorded this attempt's start (rank 0)
     resumed_from: int | None = None  # the step a checkpoint (or a peer) gave this attempt
-    resumed_path: Path | None = None
+    resumed_path: Path | str | None = None  # a step folder, a URL, or the memory tier's description
     pending: bool = False  # an optimizer stepped since the last boundary (implicit mode)
     owed_save: bool = False  # an epoch's last step deferred its checkpoint to the next batch or epoch
     owed_check: bool = False  # ... and its stop check
+    owed_mem: bool = False  # ... and its memory-tier copy
     resumed: bool = False  # run.resume has run: objects registered later would never be restored
     explicit: bool = False  # the loop calls run.step() itself: optimizer hooks count nothing
     stopped: bool = False  # a stop signal was acted on: no final checkpoint at close

@@ -4,10 +4,11 @@ functions and the backend they return (checkpoint.backend.CheckpointBackend), so
 is chosen here, by the location's scheme, and nowhere else."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint.backend import ArchivesOnItsStore, CheckpointBackend, Found, open_backend
+from ..checkpoint.backend import ArchivesOnItsStore, CheckpointBackend, Found, open_backend, scheme_of
 from ..checkpoint.layout import ARCHIVE, step_name
 from ..dist import DistContext
 from ..run_folder import RunDir
@@ -23,6 +24,11 @@ def open_checkpointer(ctx: DistContext, rd: RunDir, policy: Policy) -> Checkpoin
                         upload_timeout_s=policy.ckpt_upload_timeout_s)
 
 
+def tier_location(ckpt: CheckpointBackend) -> str:
+    """The durable location as the memory tier names its job: a folder by its real path, a URL as is."""
+    return ckpt.location if scheme_of(ckpt.location) else os.path.realpath(ckpt.location)
+
+
 def archive_folder(ckpt: CheckpointBackend, rd: RunDir) -> str | Path:
     """Where abandoned steps go: run_dir/archive for run_dir/checkpoints, else beside the steps on
     their own storage (a store's <url>/archive, a ckpt_dir folder's archive/): moving stays a rename
@@ -34,7 +40,8 @@ def archive_folder(ckpt: CheckpointBackend, rd: RunDir) -> str | Path:
 
 
 def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fresh_start: bool,
-                    resumed_from: int | None, resumed_path: Path | str | None, say: Callable[[str], None]) -> None:
+                    resumed_from: int | None, resumed_path: Path | str | None, say: Callable[[str], None],
+                    from_memory: bool = False) -> None:
     """One lineage per run folder: a fresh start (resume='never') or a resume from an older
     checkpoint moves what it abandons (higher steps, their metrics) to run_dir/archive/<time>/.
     Rank 0 only."""
@@ -42,7 +49,8 @@ def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fres
         if ckpt.latest() is None:
             writer.supersede(None, rd.archive)  # a first run: earlier metrics without checkpoints are not ours
         return
-    ours = resumed_path is not None and resumed_from is not None and ckpt.owns(Found(resumed_path, resumed_from))
+    # The memory tier's copies are this location's lineage by construction (memory_tier.job_key).
+    ours = resumed_from is not None and (from_memory or resumed_path is not None and ckpt.owns(Found(resumed_path, resumed_from)))
     # A checkpoint from another folder starts a new lineage here: whatever this folder held is abandoned.
     into = archive_folder(ckpt, rd)
     moved = ckpt.archive(resumed_from if ours else None, into)

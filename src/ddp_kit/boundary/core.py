@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.backend import CheckpointBackend
+from ..checkpoint.memory_tier import MemoryTier
 from ..data import TrainLoader
 from ..dist import DistContext
 from ..dist.collectives import broadcast_object
@@ -56,7 +57,7 @@ from ..reliability.verdicts import EXIT_HANG, Verdict, deterministic, of_failure
 from ..reliability.watchdog import Watchdog
 from ..run_folder import RunDir, hang_folder
 from . import agreement, attempts, grace_period, registration, resume, saving, stopping
-from .checkpoint_io import open_checkpointer
+from .checkpoint_io import open_checkpointer, tier_location
 from .ledger import RunLedger
 from .lifecycle import RunResources, watch_store
 from .policy import Policy
@@ -100,6 +101,7 @@ class StepBoundary:
         self.records = MetricsRecords(ctx, policy)
         self.timer = self.records.timer
         self._ckpt: CheckpointBackend | None = None
+        self._mem: MemoryTier | None = None
         self.watchdog = Watchdog(watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
                                  peer_timeout_s=policy.peer_timeout_s)
@@ -149,6 +151,8 @@ class StepBoundary:
                 self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
                 grace_period.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
             attempts.end(self, self.steps.exit_code)
+            if self._mem is not None:  # a clean end frees the node's memory; a failed one leaves it to the restart
+                self._mem.close(clean=not (self.steps.failed or self.steps.stopped or self.steps.exit_code))
         except Exception:
             if not self.steps.failed:  # after a failure, the failure is what gets reported
                 raise
@@ -291,6 +295,7 @@ class StepBoundary:
         if not p.warm:
             agreement.first_step_over(self)
         save = bool(self.state and pol.ckpt_every and done % pol.ckpt_every == 0)
+        mem = bool(self.state and pol.mem_ckpt_every and done % pol.mem_ckpt_every == 0)
         check = bool(pol.preempt_check_every and done % pol.preempt_check_every == 0)
         if not implicit and self.loaders and self.loaders[0].position == 0:
             # The last step of an epoch, called from inside the loop: the loop's end-of-epoch work (a
@@ -298,7 +303,8 @@ class StepBoundary:
             # skip it on resume. Its checkpoint and stop check run at the next batch or epoch instead.
             self.steps.owed_save |= save
             self.steps.owed_check |= check
-            save = check = False
+            self.steps.owed_mem |= mem
+            save = check = mem = False
         if check:
             save = self._stop_check() or save
         if pol.sync_check_every and done % pol.sync_check_every == 0:
@@ -312,6 +318,8 @@ class StepBoundary:
         if save:
             self.save()
             self._stop_check()  # a signal that came during the save is acted on now
+        elif mem:
+            self.save_memory()
         if pol.log_every and done % pol.log_every == 0:
             self.log()
         if p.phase != "after step":  # back from a check's own phase (its time is not the loop's)
@@ -323,14 +331,16 @@ class StepBoundary:
         what an epoch's last step owes (see step)."""
         if self.steps.pending:
             self.step(None, implicit=True)
-        save, check = self.steps.owed_save, self.steps.owed_check
-        if save or check:
-            self.steps.owed_save = self.steps.owed_check = False
+        save, check, mem = self.steps.owed_save, self.steps.owed_check, self.steps.owed_mem
+        if save or check or mem:
+            self.steps.owed_save = self.steps.owed_check = self.steps.owed_mem = False
             if check:
                 save = self._stop_check() or save
             if save:
                 self.save()
                 self._stop_check()
+            elif mem:
+                self.save_memory()
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
@@ -362,6 +372,17 @@ class StepBoundary:
 
     def checkpointer_if_open(self) -> CheckpointBackend | None:
         return self._ckpt
+
+    def memory_tier(self) -> MemoryTier:
+        """This job's memory tier on this node (collective the first time: a gloo group of its own)."""
+        if self._mem is None:
+            self._mem = MemoryTier(self.ctx, tier_location(self.checkpointer()))
+        return self._mem
+
+    def save_memory(self) -> None:
+        """A memory-tier copy of everything registered at this step (collective: every rank at once)."""
+        if self.rd is not None and self.state and self.steps.saved != self.steps.done:
+            saving.save_memory(self, self.memory_tier())
 
     def resume(self, objects: dict[str, Any], check: Callable[[dict[str, Any]], str | None] | None = None) -> int:
         return resume.resume(self, objects, check)

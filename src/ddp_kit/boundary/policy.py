@@ -20,6 +20,8 @@ class Policy:
     ckpt_every: int = 0  # optimizer steps between checkpoints (0: by time only)
     ckpt_every_s: float = 1800.0  # seconds between checkpoints (0: by steps only); checked every preempt_check_every
     keep_last: int = 3  # checkpoints kept (0: all)
+    # optimizer steps between memory-tier copies: node-local memory, copied on to a peer node (0: off)
+    mem_ckpt_every: int = 0
     async_ckpt: bool = False  # write checkpoints in a background thread
     ckpt_upload_timeout_s: float = 1800.0  # ckpt_dir a URL: stop when no checkpoint has committed for this long (0: never)
     max_failed_attempts: int = 3  # under a restarter: this many failed attempts in a row without a new checkpoint stop the run (0: no limit)

@@ -30,18 +30,29 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
     b.progress.enter("startup")
     # A replica group that restarts while others train (strategy ft) takes their state live instead.
     live = any([hook.restore(b) for hook in b.hooks])
-    found = None if live else ckpt.find(b.policy.resume, warn=lambda msg: b.say(f"ddp_kit: warning: {msg}"))
-    meta = _restore(b, ckpt, found, check) if found is not None else {}
+    warn = lambda msg: b.say(f"ddp_kit: warning: {msg}")
+    found = None if live else ckpt.find(b.policy.resume, warn=warn)
+    mem = None
+    if not live and b.policy.mem_ckpt_every and b.rd is not None:
+        tier = b.memory_tier()
+        if b.policy.resume == "auto":  # newer than the durable step, on every rank: a copy in memory
+            mem = tier.find(found.step if found is not None else None, warn)
+        else:  # a new lineage (never, or a named step): what the memory tier holds is abandoned
+            tier.clear()
+    meta = _restore(b, tier if mem else ckpt, mem or found, check) if (mem or found) is not None else {}
     if not live:
         for hook in b.hooks:
             hook.restored_from_disk(b)
     if b.ctx.is_main and b.rd is not None and b.writer is not None and not live:  # a live recovery continues the run's own lineage
-        archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.steps.resumed_from, b.steps.resumed_path, b.say)
+        archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.steps.resumed_from, b.steps.resumed_path, b.say,
+                        from_memory=mem is not None)
     if b.policy.ckpt_every == 0 and b.rd is not None:
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
               f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
-    b.tell({"event": "resume", "step": b.steps.done, "from": "peer" if live else "checkpoint" if found else "none"})
+    b.tell({"event": "resume", "step": b.steps.done, "from": "peer" if live else "checkpoint" if mem or found else "none",
+            # which tier, and the durable step a restart without the memory tier would have replayed from
+            **({"tier": mem.tier if mem else "durable", "durable_step": found.step if found else 0} if mem or found else {})})
     open_trackers(b, start=b.steps.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
     return b.steps.done
 

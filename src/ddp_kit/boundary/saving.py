@@ -3,12 +3,13 @@ rank's RNG, the strategy's sharded state where it has one, and meta.json."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..checkpoint.backend import CheckpointBackend
 from ..checkpoint.checkpointer import rng_state
+from ..checkpoint.memory_tier import MemoryTier
 from ..parallel.ddp import sync_ddp_buffers
 from ..reliability.recipe import NOT_RECIPE, config_hash
 from ..version import __version__
@@ -25,6 +26,29 @@ def save(b: Boundary, ckpt: CheckpointBackend) -> None:
     b.nonfinite.check(b.ctx, ckpt)  # never save a run whose loss went NaN/inf
     for model in b.models:  # model.pt holds rank 0's buffers: from here every rank has those too
         sync_ddp_buffers(model)
+    shared, sharded, meta = _state(b)
+    phase = b.progress.phase
+    b.progress.enter("checkpoint")
+    ckpt.save(b.steps.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
+    b.progress.enter(phase)
+    b.steps.saved = b.steps.done
+    b.steps.last_save_t = time.monotonic()
+    grace_period.note_timings(b)  # this save's time if it committed already, else the previous one's
+
+
+def save_memory(b: Boundary, tier: MemoryTier) -> None:
+    """A memory-tier copy of everything registered at this step: what `save` writes, each rank its
+    own (DDP's buffers as they are on this rank: nothing is synchronized, so the copy changes no
+    training), blocking for the copy into node memory only (memory_tier.py)."""
+    shared, sharded, meta = _state(b)
+    phase = b.progress.phase
+    b.progress.enter("checkpoint")
+    tier.save(b.steps.done, {"shared": shared, "per_rank": {"rng": rng_state()}, "sharded": sharded}, meta, b.say)
+    b.progress.enter(phase)
+
+
+def _state(b: Boundary) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """(shared state, the strategy's sharded state, meta) of this step: what every tier saves."""
     models, optimizers = b.sharded()
     shared = {**b.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": b.steps.done}}
     with b.state_io():
@@ -34,10 +58,4 @@ def save(b: Boundary, ckpt: CheckpointBackend) -> None:
         meta.update(config=b.config, config_hash=config_hash(b.config, leave_out=NOT_RECIPE))
     if b.loaders:
         meta.update(epoch=b.loaders[0].epoch, position=b.loaders[0].position)
-    phase = b.progress.phase
-    b.progress.enter("checkpoint")
-    ckpt.save(b.steps.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
-    b.progress.enter(phase)
-    b.steps.saved = b.steps.done
-    b.steps.last_save_t = time.monotonic()
-    grace_period.note_timings(b)  # this save's time if it committed already, else the previous one's
+    return shared, sharded, meta

@@ -70,6 +70,7 @@ class JobKeys:
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")
     ckpt_every: int = _f(100, "Optimizer steps between checkpoints (0: only the final one). Checkpoints go to run_dir/checkpoints.")
+    mem_ckpt_every: int = _f(0, "Optimizer steps between memory-tier checkpoints: each rank's state copied into node memory (/dev/shm, or DDP_KIT_MEM_DIR), and on to a rank of the next node; a restart resumes from the newest of them when it is newer than the durable checkpoint (0: off).")
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted after a newer one is committed (0: keep all).")
     resume: str = _f("auto", "auto: continue from the newest valid checkpoint in run_dir; never: start fresh; or a checkpoint folder path.")
     async_ckpt: bool = _f(False, "Copy the state to CPU memory and write the checkpoint in a background thread.")
@@ -278,7 +279,7 @@ def _validate(cfg: TrainConfig) -> None:
         raise UserError(f"max_steps must be at least 1 or None; got {cfg.max_steps}", "drop --max_steps to run all epochs")
     if cfg.lr <= 0:
         raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
-    for key in ("ckpt_every", "keep_last", "sync_check_every"):
+    for key in ("ckpt_every", "mem_ckpt_every", "keep_last", "sync_check_every"):
         if getattr(cfg, key) < 0:
             raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
     check_installed(parse_trackers(cfg.trackers))
