@@ -66,6 +66,8 @@ class Attempt:
     step_time_s: float | None
     seconds: dict[str, float]  # goodput and each cause inside this attempt ("down": the gap before it)
     marks: tuple[tuple[float, str, float], ...] = ()  # (t, cause, seconds) of its checkpoints, evals, pauses
+    resumed_tier: str | None = None  # memory (its node's own copy), peer (another node's), durable; None: not resumed
+    spared_steps: int = 0  # steps its memory-tier resume did not replay: from the durable step up to the resumed one
 
     @property
     def duration_s(self) -> float:
@@ -109,6 +111,7 @@ class RunAccount:
     checkpoints: tuple[Checkpoint, ...]
     slowest: Slowest | None
     skipped_lines: int = 0  # lines that were not a record (a line cut by a kill)
+    spared: dict[str, int] = field(default_factory=dict)  # per tier (memory, peer): steps its resumes did not replay
     now: float = field(default=0.0, compare=False)
 
     @property
@@ -409,7 +412,8 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
             fix=str(e.get("fix") or ""), resumed_step=r0,
             resumed_from=resume.get("from") if resume else None, last_step=d, steps=n,
             replayed_steps=n - kept, step_time_s=st, seconds={k: parts[k] for k in ("goodput",) + CAUSES},
-            marks=marks))
+            marks=marks, resumed_tier=str(resume["tier"]) if resume and resume.get("tier") else None,
+            spared_steps=_spared(resume)))
 
     wall = boundary - launched[0]
     last = attempts[-1]
@@ -426,7 +430,18 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
         state=state, step=step, max_steps=max_steps, steps_per_s=1.0 / paced if paced else None, eta_s=eta,
         start_t=launched[0], end_t=boundary, wall_s=wall, goodput_s=total["goodput"],
         badput={k: total[k] for k in CAUSES}, replayed_steps=replayed_total, attempts=tuple(attempts),
-        checkpoints=_lineage(raws, resumed), slowest=_slowest(records), skipped_lines=skipped_lines, now=now)
+        checkpoints=_lineage(raws, resumed), slowest=_slowest(records), skipped_lines=skipped_lines,
+        spared={t: sum(a.spared_steps for a in attempts if a.resumed_tier == t) for t in ("memory", "peer")
+                if any(a.resumed_tier == t for a in attempts)}, now=now)
+
+
+def _spared(resume: dict[str, Any] | None) -> int:
+    """Steps a resume from the memory tier did not replay: a restart from the durable tier would have."""
+    if not resume or resume.get("tier") not in ("memory", "peer"):
+        return 0
+    if not _num(resume.get("step")) or not _num(resume.get("durable_step")):
+        return 0
+    return max(0, int(resume["step"]) - int(resume["durable_step"]))
 
 
 def _state(last: Attempt, running: bool) -> str:

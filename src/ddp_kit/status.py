@@ -76,6 +76,10 @@ def render(run: RunAccount, run_dir: str = "") -> str:
     lines.append(f"{len(run.attempts)} attempt{'s' if len(run.attempts) != 1 else ''}, wall {duration(run.wall_s)} "
                  f"since {_clock(run.start_t)}; goodput {run.goodput_pct:.1f}% ({duration(run.goodput_s)} of kept steps)"
                  + (f"; {run.replayed_steps} step{'s' if run.replayed_steps != 1 else ''} replayed" if run.replayed_steps else ""))
+    if run.spared:
+        lines.append("memory tier: " + ", ".join(f"{n} step{'s' if n != 1 else ''} not replayed thanks to "
+                                                 f"{'own-node copies' if t == 'memory' else 'peer copies'}"
+                                                 for t, n in run.spared.items()))
     lines.append("")
     lines.append(f"  {'badput':<11} {'seconds':>10} {'%':>6}")
     for cause in CAUSES:
@@ -95,7 +99,10 @@ def render(run: RunAccount, run_dir: str = "") -> str:
         lines.append(f"  {a.number:>3} {_clock(a.launched_t):<19} {duration(a.duration_s):>9} "
                      f"{a.world_size if a.world_size is not None else '?':>5} {a.engine or '?':<9} {steps:>13}  {_ended(a)}"
                      + (f" [hosts {hosts}]" if hosts else "")
-                     + (f" [{a.replayed_steps} replayed]" if a.replayed_steps else ""))
+                     + (f" [{a.replayed_steps} replayed]" if a.replayed_steps else "")
+                     + (f" [from the {'memory tier' if a.resumed_tier == 'memory' else 'peer copy'}: "
+                        f"{a.spared_steps} step{'s' if a.spared_steps != 1 else ''} not replayed]"
+                        if a.resumed_tier in ("memory", "peer") else ""))
     if run.checkpoints:
         recent = run.checkpoints[-SHOWN_CHECKPOINTS:]
         lines.append("")
