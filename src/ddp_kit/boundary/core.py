@@ -209,6 +209,8 @@ class StepBoundary:
     def stepping(self, *_: object) -> None:
         if self.steps.not_a_step:
             return
+        if self._mem is not None and self._mem.copying is not None:  # the memory tier still reads what this step writes
+            self._mem.wait_copy()
         self.progress.enter("optimizer", self.steps.done + 1)  # an error in optimizer.step() is named as being there
         self.timer.mark("backward")
         if self.steps.measure_grads:
@@ -268,6 +270,8 @@ class StepBoundary:
 
     def step(self, loss: torch.Tensor | float | None = None, implicit: bool = False) -> int:
         self.steps.pending = False
+        if self._mem is not None and self._mem.copying is not None:  # a step an optimizer did not take (ft's gate)
+            self._mem.wait_copy()
         self.steps.explicit = self.steps.explicit or not implicit
         for loader in self.loaders:
             loader.commit()  # the batches this step used are consumed: the position a checkpoint keeps

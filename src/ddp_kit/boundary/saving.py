@@ -43,8 +43,18 @@ def save_memory(b: Boundary, tier: MemoryTier) -> None:
     shared, sharded, meta = _state(b)
     phase = b.progress.phase
     b.progress.enter("checkpoint")
-    tier.save(b.steps.done, {"shared": shared, "per_rank": {"rng": rng_state()}, "sharded": sharded}, meta, b.say)
+    # Only optimizer.step writes parameters and optimizer state, and it waits for their copy (core.stepping).
+    written = {t.data_ptr() for opt in b.optimizers for t in _owned(opt)}
+    tier.save(b.steps.done, {"shared": shared, "per_rank": {"rng": rng_state()}, "sharded": sharded}, meta, b.say,
+              later=lambda t: t.data_ptr() in written)
     b.progress.enter(phase)
+
+
+def _owned(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer's step writes: its parameters and its state (non-empty: an empty tensor has no address)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return [t for t in params + state if t.numel()]
 
 
 def _state(b: Boundary) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:

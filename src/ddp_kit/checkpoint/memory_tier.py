@@ -183,6 +183,7 @@ class MemoryTier:
         self.last = _newest(self.own)  # the own slot holding the last complete copy: the next save takes the other
         self.peer_last: int | None = None
         self._thread: threading.Thread | None = None
+        self.copying: threading.Event | None = None  # set once the last save's deferred copy is done
         self.error: BaseException | None = None
         self.sized = False
         self.saves = 0
@@ -190,9 +191,15 @@ class MemoryTier:
 
     # ---- saving -----------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], say: Callable[[str], None]) -> None:
-        """Copy `state` into this rank's next slot (blocking for that copy only), then seal it and copy
-        it to the partner node in the background. Every rank calls it at the same steps."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], say: Callable[[str], None],
+             later: Callable[[torch.Tensor], bool] | None = None) -> None:
+        """Copy `state` into this rank's next slot, then seal it and copy it to the partner node in the
+        background. Every rank calls it at the same steps.
+
+        The loop waits for the copy of what may change before the next optimizer step (buffers, RNG,
+        any tensor on a GPU); host tensors for which `later(t)` holds (parameters and optimizer state:
+        only optimizer.step writes them) are copied by the thread while the next forward and backward
+        run, and `wait_copy` (an optimizer pre-step hook) holds the step until they are."""
         import time
         self.wait()
         try:
@@ -207,19 +214,32 @@ class MemoryTier:
         cuda = any(t.device.type == "cuda" for t in tensors)
         buf = slot.open(nbytes, pin=cuda)
         entries = mc.table(tensors)
-        mc.fill(buf, tensors, entries, non_blocking=cuda and slot.pinned)
+        defer = [later is not None and not cuda and later(t) for t in tensors]
+        mc.fill(buf, [t for t, d in zip(tensors, defer) if not d], [e for e, d in zip(entries, defer) if not d],
+                non_blocking=cuda and slot.pinned)
         if cuda:
             torch.cuda.current_stream(self.ctx.device).synchronize()
+        deferred = ([t for t, d in zip(tensors, defer) if d], [e for e, d in zip(entries, defer) if d])
         manifest = {"format": mc.FORMAT, "step": step, "rank": self.ctx.rank, "world_size": self.ctx.world_size,
                     "node": self.node, "node_rank": self.ctx.env.node_rank, "nbytes": nbytes, "tensors": entries,
                     "tree": tree, "meta": meta, "sha256": None}
-        mc.write_manifest(slot.folder, manifest)  # complete, not yet sealed
         self.last = self.own.index(slot)
-        self.blocking_s.append(time.monotonic() - started)
         self.saves += 1
-        self._thread = threading.Thread(target=self._finish, args=(slot, manifest), name=f"ddp_kit-mem-{step}",
-                                        daemon=True)
+        self.copying = threading.Event()
+        self._thread = threading.Thread(target=self._finish, args=(slot, manifest, deferred, self.copying),
+                                        name=f"ddp_kit-mem-{step}", daemon=True)
         self._thread.start()
+        self.blocking_s.append(time.monotonic() - started)
+
+    def wait_copy(self) -> None:
+        """Hold the caller (the optimizer step) until the last save's copy is whole; the wait counts as blocking."""
+        copying = self.copying
+        if copying is not None and not copying.is_set():
+            import time
+            started = time.monotonic()
+            copying.wait()
+            self.blocking_s[-1] += time.monotonic() - started
+        self.copying = None
 
     def _check_room(self, nbytes: int, say: Callable[[str], None]) -> None:
         """Once: print what the tier holds per node, and refuse (every rank together) when it does not fit."""
@@ -238,9 +258,15 @@ class MemoryTier:
                             f"free memory there, point {ENV_DIR} at a larger tmpfs, or pass mem_ckpt_every=0",
                             verdict=True)
 
-    def _finish(self, slot: _Slot, manifest: dict[str, Any]) -> None:
+    def _finish(self, slot: _Slot, manifest: dict[str, Any], deferred: tuple[list[torch.Tensor], list[list[Any]]],
+                copying: threading.Event) -> None:
         try:
             assert slot.buf is not None
+            try:
+                mc.fill(slot.buf, *deferred)
+            finally:
+                copying.set()
+            mc.write_manifest(slot.folder, manifest)  # complete, not yet sealed
             sealed = {**manifest, "sha256": mc.checksum(slot.buf)}
             mc.write_manifest(slot.folder, sealed)
             if self.partner is not None and self.error is None:
@@ -280,6 +306,7 @@ class MemoryTier:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.copying = None
         if self.error is not None and self.partner is not None:
             print(f"ddp_kit: warning: rank {self.ctx.rank}: the memory tier's copy to the next node failed "
                   f"({str(self.error).splitlines()[0][:160] if str(self.error) else type(self.error).__name__}); "
