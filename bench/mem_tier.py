@@ -108,7 +108,7 @@ def blocking(mb: float = 100, repeats: int = 7, dir: str = "/tmp/ddp_kit_mem_ben
 
 def _job(run_dir: Path, mem_dir: Path, steps: int, extra: list[str]) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "ddp_kit.train", "--dataset", "synthetic", "--synthetic_size", "100000", "--max_steps", str(steps),
+           "-m", "ddp_kit.train", "--max_steps", str(steps),
            "--ckpt_every", "50", "--progress", "false", "--log_every", "10", "--run_dir", str(run_dir), *extra]
     env = {**os.environ, "DDP_KIT_MEM_DIR": str(mem_dir), "OMP_NUM_THREADS": "1"}
     t = time.perf_counter()
@@ -123,10 +123,19 @@ def _parts(run_dir: Path) -> dict:
     out = subprocess.run([sys.executable, "-m", "ddp_kit.status", str(run_dir), "--json"], capture_output=True, text=True,
                          check=True).stdout
     acc = json.loads(out)
-    a = acc["attempts"]
-    return {"attempts": len(a), "resumed_step": a[-1]["resumed_step"], "resumed_tier": a[-1].get("resumed_tier"),
-            "replayed_steps": acc["replayed_steps"],
-            "seconds": {k: round(v, 2) for k, v in acc["badput"].items() if v > 0.005}}
+    first, second = acc["attempts"][0], acc["attempts"][-1]
+    lines = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines() if x.strip()]
+    # the second attempt's start line (the run folder checked, the watchdog up) to its resume line:
+    # the script builds its model and data, then the state is found and restored
+    mine = {r["event"]: r["t"] for r in reversed(lines) if r.get("attempt") == second["number"]}
+    return {"attempts": len(acc["attempts"]), "resumed_step": second["resumed_step"],
+            "resumed_tier": second.get("resumed_tier"), "replayed_steps": acc["replayed_steps"],
+            "parts_s": {"detection_and_restart": round(second["seconds"]["down"], 2),  # killed attempt's end -> relaunch
+                        "startup": round(second["seconds"]["startup"], 2),  # relaunch -> first step, restore included
+                        "of_which_build_and_restore": round(mine["resume"] - mine["start"], 2)
+                        if "resume" in mine and "start" in mine else None,
+                        "replay": round(first["seconds"]["replayed"], 2),
+                        "teardown_and_other": round(first["seconds"]["other"] + second["seconds"]["other"], 2)}}
 
 
 def kill(steps: int = 300, at: int = 140, mem_every: int = 5, dir: str = "/tmp/ddp_kit_mem_kill") -> dict:

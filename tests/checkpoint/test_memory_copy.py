@@ -137,3 +137,48 @@ def test_choose_takes_the_newest_step_every_rank_has_and_prefers_its_own_node():
     assert step == 12 and sources[1]["node"] == "A" and sources[1]["kind"] == "peer"
     assert _choose([entry(0, 12, "A", 0)], nodes, 2) is None  # rank 1's state nowhere: the durable tier
     assert json.dumps(sources)  # what the ranks exchange is plain data
+
+
+def one_rank():
+    from ddp_kit.dist import DistContext
+    from ddp_kit.env import DistEnv
+
+    return DistContext(env=DistEnv(), device=torch.device("cpu"), backend="gloo")
+
+
+def test_a_restarted_process_finds_and_loads_its_copy(tmp_path):
+    """One process: save twice, "restart" (a new tier on the same folder), resume the newer copy."""
+    from ddp_kit.checkpoint.memory_tier import MemoryTier
+
+    said = []
+    w = torch.randn(4, 4)
+    tier = MemoryTier(one_rank(), "/ckpt/of/this/job", root=tmp_path)
+    for step in (3, 6):
+        w.add_(1.0)
+        tier.save(step, {"shared": {"model": {"w": w}, "loop": {"step": step}}, "per_rank": {"rng": {"n": step}},
+                         "sharded": None}, {"strategy": "ddp"}, said.append, later=lambda t: t is w)
+    tier.close(clean=False)  # a failed end: the copies stay
+    assert len(said) == 1 and "2 copies of" in said[0]
+    again = MemoryTier(one_rank(), "/ckpt/of/this/job", root=tmp_path)
+    found = again.find(after=None, warn=said.append)
+    assert found is not None and found.step == 6 and found.tier == "memory"
+    shared, own, meta = again.load(found)
+    assert torch.equal(shared["model"]["w"], w) and own == {"rng": {"n": 6}} and meta["world_size"] == 1
+    assert again.find(after=6, warn=said.append) is None  # not newer than the durable step: the durable tier
+    assert MemoryTier(one_rank(), "/another/job", root=tmp_path).find(after=None, warn=said.append) is None
+    again.close(clean=True)
+    assert not (tmp_path / again.key).exists()
+
+
+def test_a_tier_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
+    import os
+
+    from ddp_kit.checkpoint.memory_tier import MemoryTier
+    from ddp_kit.errors import UserError
+
+    tier = MemoryTier(one_rank(), "/ckpt", root=tmp_path)
+    real = os.statvfs(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((real.f_bsize, 1, 100, 1, 1) + tuple(real)[5:]))
+    with pytest.raises(UserError, match="memory tier needs 0.1 MB per node") as err:
+        tier.save(1, {"shared": {"w": torch.zeros(16384)}}, {}, lambda msg: None)
+    assert "DDP_KIT_MEM_DIR" in err.value.hint and "\n" not in str(err.value)

@@ -30,15 +30,17 @@ def copies(mem) -> dict[str, int]:
     return {m.parent.name: json.loads(m.read_text())["step"] for m in mem.glob("*/*/manifest.json")}
 
 
-def test_killed_worker_resumes_from_its_nodes_memory(tmp_path, reference_summary):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: each rank's copy holds its shards
+def test_killed_worker_resumes_from_its_nodes_memory(tmp_path, reference_summary, strategy):
     mem = tmp_path / "shm"
-    res = torchrun(["-m", "ddp_kit.train", *ARGS, "--inject", KILL, "--run_dir", str(tmp_path / "run")],
+    res = torchrun(["-m", "ddp_kit.train", *ARGS, "--strategy", strategy, "--inject", KILL, "--run_dir", str(tmp_path / "run")],
                    extra=["--max-restarts=1"], env={"DDP_KIT_MEM_DIR": str(mem)})
     ok(res)
     assert "resumed from the memory tier" in res.stdout and "of step 12" in res.stdout, res.stdout
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["resumed_from_step"] == 12
-    assert summary["param_sha256"] == reference_summary(2, REFERENCE_2_EPOCHS)["param_sha256"]
+    reference = REFERENCE_2_EPOCHS if strategy == "ddp" else (*REFERENCE_2_EPOCHS, "--strategy", strategy)
+    assert summary["param_sha256"] == reference_summary(2, reference)["param_sha256"]
     # A clean end frees the node's memory: nothing of the job is left but the node's identity.
     assert [p.name for p in mem.iterdir()] == ["node_id"]
     status = json.loads(run_cmd([sys.executable, "-m", "ddp_kit.status", str(tmp_path / "run"), "--json"]).stdout)

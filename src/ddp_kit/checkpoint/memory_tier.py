@@ -251,6 +251,9 @@ class MemoryTier:
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize + held
         fits = all_true(self.ctx, need <= free)
+        if self.ctx.env.num_nodes > 1 and self.partner is None and self.ctx.world_size > 1:
+            say(f"ddp_kit: warning: memory tier: {self.ctx.world_size} ranks on {self.ctx.env.num_nodes} nodes are not nodes of "
+                f"equal size with consecutive ranks: no peer copies, a lost node resumes from the durable tier")
         say(f"ddp_kit: memory tier: {COPIES} copies of {_mb(nbytes)} per rank{' and 2 of a peer' if self.partner else ''} "
             f"in {self.dir} ({_mb(need)} per node, {_mb(free)} free there)")
         if not fits:
