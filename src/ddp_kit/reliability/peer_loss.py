@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import time
 from pathlib import Path
 
@@ -59,26 +60,62 @@ def _crash_site(text: str) -> str | None:
     return None
 
 
-def diagnose_peer_loss(store, rank: int, world_size: int, dump_dir: str | Path, wait_s: float = 3.0) -> str | None:
-    """After a communication error: find the rank that caused it, from its posted failure, its crash
-    dump, or its silence. Returns the one line to print, or None when no peer looks at fault."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        failed = peer_failure(store, rank)
-        if failed:
-            return stop_line(rank, failed)
-        crashed = [r for r in range(world_size) if r != rank and (Path(dump_dir) / f"rank{r}.crash.txt").exists()
-                   and (Path(dump_dir) / f"rank{r}.crash.txt").stat().st_size > 0]
-        if crashed or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    positions = {}
+def _positions(store, world_size: int) -> dict[int, dict | None]:
+    """Every rank's last heartbeat (watchdog._publish), None where there is none."""
+    positions: dict[int, dict | None] = {}
     for r in range(world_size):
         try:
             key = f"ddp_kit/progress/{r}"
             positions[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
         except Exception:
             positions[r] = None
+    return positions
+
+
+def _gone_here(positions: dict[int, dict | None], rank: int) -> list[int]:
+    """Peers on this host (by name) whose process no longer exists and that did not leave on purpose."""
+    host = os.uname().nodename
+    gone = []
+    for r, p in positions.items():
+        if r == rank or not p or p.get("left") or p.get("host") != host or not isinstance(p.get("pid"), int):
+            continue
+        if not _running(p["pid"]):
+            gone.append(r)
+    return gone
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed worker is one until its launcher reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def diagnose_peer_loss(store, rank: int, world_size: int, dump_dir: str | Path, wait_s: float = 3.0) -> str | None:
+    """After a communication error: find the rank that caused it, from its posted failure, its crash
+    dump, or its silence. Returns the one line to print, or None when no peer looks at fault."""
+    deadline = time.monotonic() + wait_s
+    # A peer on this host whose process is gone cannot post a failure any more: no need to wait for one
+    # (the wait is most of what a SIGKILLed worker's detection costs).
+    gone = _gone_here(_positions(store, world_size), rank)
+    while True:
+        failed = peer_failure(store, rank)
+        if failed:
+            return stop_line(rank, failed)
+        crashed = [r for r in range(world_size) if r != rank and (Path(dump_dir) / f"rank{r}.crash.txt").exists()
+                   and (Path(dump_dir) / f"rank{r}.crash.txt").stat().st_size > 0]
+        if crashed or gone or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    positions = _positions(store, world_size)
     if crashed:
         r = crashed[0]
         path = Path(dump_dir) / f"rank{r}.crash.txt"
@@ -88,7 +125,7 @@ def diagnose_peer_loss(store, rank: int, world_size: int, dump_dir: str | Path, 
                 f"are in {path} (hint: gloo aborts when ranks run different collectives: check that every rank "
                 f"calls the same collectives in the same order)")
     now = time.time()
-    silent = [r for r, p in positions.items() if r != rank and p is not None and now - p.get("t", now) > 2.0]
+    silent = gone or [r for r, p in positions.items() if r != rank and p is not None and now - p.get("t", now) > 2.0]
     if silent:
         r = silent[0]
         p = positions[r]

@@ -18,6 +18,7 @@ publishes them to the rendezvous store once a second. The store lives outside th
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -45,10 +46,17 @@ def _where(thread_id: int) -> tuple[str, bool]:
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return "?", True
-    fs = traceback.extract_stack(frame)[-1]
-    path = str(Path(fs.filename).resolve()) if not fs.filename.startswith("<") else fs.filename
-    waiting = fs.filename.startswith("<") or "site-packages" in path or path.startswith(_LIBRARY_DIRS)
-    return f"{Path(fs.filename).name}:{fs.lineno} in {fs.name}", waiting
+    # The innermost frame only: extract_stack would walk (and read the source of) the whole stack,
+    # once a poll, holding the GIL the training thread needs.
+    filename, lineno, name = frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+    path = _resolved(filename) if not filename.startswith("<") else filename
+    waiting = filename.startswith("<") or "site-packages" in path or path.startswith(_LIBRARY_DIRS)
+    return f"{Path(filename).name}:{lineno} in {name}", waiting
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved(filename: str) -> str:
+    return str(Path(filename).resolve())  # a few system calls per path: once each
 
 
 class Watchdog:
@@ -120,7 +128,7 @@ class Watchdog:
         where, waiting = _where(self._main_thread)
         self.store.set(f"ddp_kit/progress/{self.rank}", json.dumps(
             {"step": p.step, "phase": p.phase, "stalled_s": round(stalled_for, 1), "host": self.host,
-             "where": where, "waiting": waiting, "t": time.time(), "hang": hang}))
+             "where": where, "waiting": waiting, "t": time.time(), "hang": hang, "pid": os.getpid()}))
         return stalled_for
 
     def _tick(self) -> None:
