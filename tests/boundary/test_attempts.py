@@ -33,6 +33,22 @@ def test_failures_without_progress_are_counted_and_a_preemption_or_progress_brea
     assert failed_in_a_row([start(None), end("user error", 2)], latest=None) == []
 
 
+def test_an_attempt_the_next_one_resumed_further_from_made_progress():
+    """The memory tier: no new durable checkpoint, but each attempt resumes further than the one before."""
+    def resumed(attempt, step):
+        return {"event": "resume", "attempt": attempt, "step": step}
+
+    def begun(attempt):
+        return {**start(None), "attempt": attempt}
+
+    advancing = [begun(1), resumed(1, 0), end("failed"), begun(2), resumed(2, 90), end("failed"),
+                 begun(3), resumed(3, 190), end("failed")]
+    assert len(failed_in_a_row(advancing, latest=None)) == 1  # only the last: its progress shows at the next resume
+    stuck = [begun(1), resumed(1, 90), end("failed"), begun(2), resumed(2, 90), end("failed"),
+             begun(3), resumed(3, 90), end("failed")]
+    assert len(failed_in_a_row(stuck, latest=None)) == 3
+
+
 @pytest.mark.integration
 def test_a_crash_loop_under_torchrun_restarts_is_stopped_after_three_attempts(tmp_path):
     """Rank 1 is SIGKILLed at step 3 of every attempt, before the first checkpoint: torchrun --max-restarts 3

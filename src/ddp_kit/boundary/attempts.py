@@ -126,22 +126,29 @@ def launched_at() -> float | None:
 
 
 def failed_in_a_row(records: list[dict[str, Any]], latest: int | None) -> list[dict[str, Any]]:
-    """The trailing attempts that failed or were killed and committed no checkpoint: for each, its
-    end record (or its start record, when it was killed). `latest`: the newest committed step now."""
+    """The trailing attempts that failed or were killed and made no progress: committed no checkpoint,
+    and (memory tier) left none that the next attempt resumed further from. For each, its end record
+    (or its start record, when it was killed). `latest`: the newest committed step now."""
     attempts: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    resumed: dict[Any, int] = {}  # attempt number -> the step it resumed at
     for r in records:
         if r.get("event") == "start":
             attempts.append((r, None))
         elif r.get("event") == "end" and attempts and attempts[-1][1] is None:
             attempts[-1] = (attempts[-1][0], r)
+        elif r.get("event") == "resume" and isinstance(r.get("step"), int):
+            resumed.setdefault(r.get("attempt"), r["step"])
     out: list[dict[str, Any]] = []
     after = latest  # the newest checkpoint when the attempt after this one started
+    after_resumed: int | None = None  # the step the attempt after this one resumed at (unknown for the new one)
     for start, finish in reversed(attempts):
         failed = finish is None or finish.get("outcome") == "failed"
-        if not failed or after != start.get("latest"):  # a clean or preempted end, or progress
+        mine = resumed.get(start.get("attempt"))
+        further = after_resumed is not None and mine is not None and after_resumed > mine
+        if not failed or after != start.get("latest") or further:  # a clean or preempted end, or progress
             break
         out.append(finish or start)
-        after = start.get("latest")
+        after, after_resumed = start.get("latest"), mine
     return out[::-1]
 
 
