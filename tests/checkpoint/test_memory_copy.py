@@ -2,6 +2,7 @@
 states round-trip exactly, and a forged or damaged copy is refused without anything being unpickled."""
 import json
 import math
+import os
 import pickle
 
 import pytest
@@ -182,3 +183,15 @@ def test_a_tier_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="memory tier needs 0.1 MB per node") as err:
         tier.save(1, {"shared": {"w": torch.zeros(16384)}}, {}, lambda msg: None)
     assert "DDP_KIT_MEM_DIR" in err.value.hint and "\n" not in str(err.value)
+
+
+def test_another_jobs_copies_go_when_no_live_process_owns_them(tmp_path):
+    from ddp_kit.checkpoint.memory_tier import MemoryTier
+
+    dead = max(int(open("/proc/sys/kernel/pid_max").read()) - 1, 2)  # no process this high on a test machine
+    abandoned, running = tmp_path / "abandoned", tmp_path / "running"
+    for folder, pid in ((abandoned, dead), (running, os.getpid())):
+        (folder / "own-r0-s0").mkdir(parents=True)
+        (folder / f"owner.{pid}").touch()
+    MemoryTier(one_rank(), "/this/job", root=tmp_path)
+    assert not abandoned.exists() and running.exists()
