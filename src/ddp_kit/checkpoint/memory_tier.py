@@ -179,9 +179,9 @@ class MemoryTier:
         self.group: Any = (tdist.new_group(backend="gloo", timeout=_timeout(ctx)) if ctx.world_size > 1 and env.num_nodes > 1
                       else None)
         self.own = [_Slot(self.dir / f"own-r{ctx.rank}-s{i}") for i in range(COPIES)]
-        self.peer: list[_Slot] = []
+        self.peer = [_Slot(self.dir / f"peer-r{self.partner[1]}-s{i}") for i in range(COPIES)] if self.partner else []
         self.last = _newest(self.own)  # the own slot holding the last complete copy: the next save takes the other
-        self.peer_last: int | None = None
+        self.peer_last = _newest(self.peer) if self.peer else None
         self._thread: threading.Thread | None = None
         self.copying: threading.Event | None = None  # set once the last save's deferred copy is done
         self.error: BaseException | None = None
@@ -286,8 +286,6 @@ class MemoryTier:
         got = torch.empty(2, dtype=torch.int64)
         _wait_all([tdist.isend(head, to, group=self.group), tdist.irecv(got, frm, group=self.group)])
         nbytes, mlen = (int(x) for x in got.tolist())
-        if not self.peer:
-            self.peer = [_Slot(self.dir / f"peer-r{frm}-s{i}") for i in range(COPIES)]
         slot = self.peer[0 if self.peer_last is None else 1 - self.peer_last]
         inbuf = slot.open(nbytes, pin=False)
         inblob = torch.empty(mlen, dtype=torch.uint8)
