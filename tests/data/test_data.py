@@ -108,13 +108,17 @@ def test_a_peek_does_not_consume_a_batch():
 
 
 def test_device_resident_batches_equal_the_dataloaders_and_resume_alike():
-    """device_data indexes the TensorDataset where it lives (here the CPU; on a GPU the device): every
-    micro-batch equals the collated one, over epochs and after a mid-epoch resume on another world size."""
+    """device_data indexes the TensorDataset where it lives (here the CPU; on a GPU the device), and a
+    plain TensorDataset on the CPU is indexed so unasked: every micro-batch equals the collated one
+    (a subclass's, which goes through the DataLoader), over epochs and after a mid-epoch resume on
+    another world size."""
     data = TensorDataset(torch.randn(100, 3), torch.arange(100))
+    collated = type("Collated", (TensorDataset,), {})(*data.tensors)  # may load its own way: collated
 
     def batches(resident, world=2, rank=1, state=None, n=30):
-        loader = TrainLoader(data, global_batch=8, world_size=world, rank=rank, grad_accum=2, seed=5,
-                             resident=torch.device("cpu") if resident else None)
+        loader = TrainLoader(data if resident else collated, global_batch=8, world_size=world, rank=rank,
+                             grad_accum=2, seed=5, resident=torch.device("cpu") if resident == "device" else None)
+        assert (loader._tensors is not None) == bool(resident)
         if state:
             loader.load_state_dict(state)
         out = []
@@ -123,11 +127,25 @@ def test_device_resident_batches_equal_the_dataloaders_and_resume_alike():
         return out[:n], loader.state_dict()
 
     plain, state = batches(False, n=7)
-    kept, state_r = batches(True, n=7)
-    assert state == state_r and isinstance(kept[0], list)
-    assert all(torch.equal(a, b) for p, k in zip(plain, kept) for a, b in zip(p, k))
+    for resident in ("device", "unasked"):
+        kept, state_r = batches(resident, n=7)
+        assert state == state_r and isinstance(kept[0], list)
+        assert all(torch.equal(a, b) for p, k in zip(plain, kept) for a, b in zip(p, k))
     plain, _ = batches(False, world=1, rank=0, state=state)
-    kept, _ = batches(True, world=1, rank=0, state=state)
-    assert all(torch.equal(a, b) for p, k in zip(plain, kept) for a, b in zip(p, k))
+    for resident in ("device", "unasked"):
+        kept, _ = batches(resident, world=1, rank=0, state=state)
+        assert all(torch.equal(a, b) for p, k in zip(plain, kept) for a, b in zip(p, k))
     with pytest.raises(UserError, match="device_data keeps a TensorDataset"):
         TrainLoader(list(range(10)), global_batch=2, world_size=1, rank=0, resident=torch.device("cpu"))
+
+
+def test_only_a_plain_cpu_tensordataset_loaded_as_collated_is_indexed_unasked():
+    data = TensorDataset(torch.randn(16, 3), torch.arange(16))
+
+    def indexed(**kw):
+        return TrainLoader(kw.pop("dataset", data), global_batch=4, world_size=1, rank=0, **kw)._tensors is not None
+
+    assert indexed() and indexed(collate_fn=torch.utils.data.default_collate)
+    assert not indexed(pin_memory=True)  # a GPU run's batches: pinned by the DataLoader
+    assert not indexed(collate_fn=lambda rows: rows)
+    assert not indexed(dataset=list(zip(*data.tensors)))

@@ -169,3 +169,73 @@ def test_gpu_spans_make_no_new_cuda_events_after_the_first_window(monkeypatch):
         assert w["gpu_forward_s"] > 0 and w["gpu_optimizer_s"] > 0
         counts.append(len(made))
     assert counts[0] == counts[1] == counts[2]
+
+
+def _clocked_timer(monkeypatch, **kwargs) -> tuple[StepTimer, list[float]]:
+    """A StepTimer on a clock the test moves: each mark is charged what the test added since the last."""
+    from ddp_kit.reliability import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    timer = StepTimer(**kwargs)
+    timer._t = 0.0
+    return timer, clock
+
+
+def test_step_timer_divides_the_unsampled_steps_as_the_sampled_ones(monkeypatch):
+    """The forward hooks run on a few steps of a window (sampling); the other steps' stretch from
+    the loop's last mark to the end of backward is divided in the sampled steps' proportions, so
+    each part's mean per step, and the step's total, are what every step hooked would give."""
+    timer, clock = _clocked_timer(monkeypatch)
+    timer.sampling = True
+
+    def step(sampled: bool) -> None:
+        timer.split = sampled
+        for part, seconds, hooked in (("data", 1, False), ("other", 1, True), ("comm", 2, True), ("forward", 3, True),
+                                      ("backward", 4, False), ("optimizer", 5, False), ("other", 6, False)):
+            clock[0] += seconds
+            if hooked and not sampled:
+                continue  # no hook on this step: its time runs on into the stretch
+            (timer.hooked if hooked else timer.mark)(part)
+        timer.steps += 1
+
+    for sampled in (True, False, False, False):
+        step(sampled)
+    w = timer.window()
+    assert w["forward_s"] == pytest.approx(3) and w["comm_s"] == pytest.approx(2) and w["backward_s"] == pytest.approx(4)
+    assert w["other_s"] == pytest.approx(7) and w["data_s"] == pytest.approx(1) and w["step_s"] == pytest.approx(22)
+    assert w["local_s"] == pytest.approx(22 - 4 - 2)
+    for sampled in (False, False):  # a window without a sampled step: the last window's proportions
+        step(sampled)
+    w = timer.window()
+    assert w["forward_s"] == pytest.approx(3) and w["step_s"] == pytest.approx(22)
+
+
+def test_step_timer_without_any_sample_books_the_stretch_as_backward(monkeypatch):
+    timer, clock = _clocked_timer(monkeypatch, sampling=True, split=False)
+    for part in ("data", "backward", "optimizer", "other"):
+        clock[0] += 1
+        timer.mark(part)
+    timer.steps = 1
+    w = timer.window()
+    assert w["backward_s"] == 1 and w["forward_s"] == 0 and w["step_s"] == 4
+
+
+def test_gpu_spans_are_recorded_and_averaged_on_sampled_steps_only(monkeypatch):
+    from ddp_kit.reliability.metrics import GpuSpans
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    timer = StepTimer(gpu=GpuSpans(), sampling=True)
+    for sampled in (True, False, True, False):
+        timer.split = sampled
+        before = _FakeEvent.clock[0]
+        timer.mark("data")
+        if sampled:
+            timer.hooked("forward")
+        timer.mark("backward")
+        timer.mark("optimizer")
+        timer.mark("other")
+        timer.steps += 1
+        assert (_FakeEvent.clock[0] > before) == sampled  # no CUDA event on an unsampled step
+    w = timer.window()
+    assert w["gpu_forward_s"] == 1.0 and w["gpu_optimizer_s"] == 1.0  # one tick per span, per sampled step

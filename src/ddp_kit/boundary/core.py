@@ -12,8 +12,9 @@ Everything the boundary does that involves the other ranks happens every N steps
 at the same step, so the ranks stay in lockstep without extra agreement:
 
     every step                 heartbeat (two attribute writes), loss folded into a device scalar
-    preempt_check_every        one all-reduce: a stop signal on any rank, and "a timed checkpoint is
-                               due" (rank 0's clock); then checkpoint, requeue, exit 75 (stopping.py)
+    preempt_check_every        one all-reduce (sent a step ahead, read at the check): a stop signal on
+                               any rank, and "a timed checkpoint is due" (rank 0's clock); then
+                               checkpoint, requeue, exit 75 (stopping.py)
     sync_check_every           parameter/buffer checksums compared across ranks
     ckpt_every / ckpt_every_s  an atomic checkpoint of everything registered (saving.py)
     log_every                  one metrics.jsonl record (loss, lr, samples/s, per-rank time split; records.py)
@@ -102,6 +103,7 @@ class StepBoundary:
         self.timer = self.records.timer
         self._ckpt: CheckpointBackend | None = None
         self._mem: MemoryTier | None = None
+        self.stop_ahead: Callable[[], tuple[int, bool]] | None = None  # the next stop check, sent a step early (stopping.py)
         self.watchdog = Watchdog(watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
                                  peer_timeout_s=policy.peer_timeout_s)
@@ -326,6 +328,10 @@ class StepBoundary:
             self.save_memory()
         if pol.log_every and done % pol.log_every == 0:
             self.log()
+        if self.records.split is not None:  # the forward hooks, on the first steps of a window only
+            self.records.split.after_step()
+        if pol.preempt_check_every and (done + 1) % pol.preempt_check_every == 0:
+            stopping.start_ahead(self)
         if p.phase != "after step":  # back from a check's own phase (its time is not the loop's)
             self.progress.enter("after step")
         return done
@@ -338,8 +344,8 @@ class StepBoundary:
         save, check, mem = self.steps.owed_save, self.steps.owed_check, self.steps.owed_mem
         if save or check or mem:
             self.steps.owed_save = self.steps.owed_check = self.steps.owed_mem = False
-            if check:
-                save = self._stop_check() or save
+            if check:  # after the epoch's end (an eval): on what the ranks know now, not a step ago
+                save = self._stop_check(fresh=True) or save
             if save:
                 self.save()
                 self._stop_check()
@@ -407,9 +413,9 @@ class StepBoundary:
         if self.state and self.steps.saved != self.steps.done:
             saving.save(self, ckpt)
 
-    def _stop_check(self) -> bool:
+    def _stop_check(self, fresh: bool = False) -> bool:
         """Act on a stop signal any rank has seen (this never returns then); whether a timed checkpoint is due."""
-        signum, due = stopping.signalled(self)
+        signum, due = stopping.signalled(self, fresh)
         if signum:
             self.stop(signum)
         return due

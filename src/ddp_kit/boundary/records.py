@@ -16,6 +16,7 @@ from ..parallel.fsdp import memory_bytes
 from ..reliability.metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
 from ..reliability.recipe import NOT_RECIPE, config_hash
 from ..version import __version__
+from .forward_split import ForwardSplit
 from .policy import Policy
 from .run_writer import RunWriter
 from .tracking import hub_for
@@ -32,6 +33,8 @@ class MetricsRecords:
         self.ctx, self.policy = ctx, policy
         gpu_spans = ctx.device.type == "cuda" and policy.rank_metrics and policy.log_every > 0
         self.timer = StepTimer(gpu=GpuSpans() if gpu_spans else None)
+        # the forward hooks of the time split, on a few steps of each window (none without per-rank metrics)
+        self.split = ForwardSplit(self.timer) if policy.rank_metrics and policy.log_every > 0 else None
         self.stragglers = StragglerWatch(policy.straggler_margin)
         self.on_log: list[Callable[[dict[str, Any]], None]] = []
         self.writer: RunWriter | None = None  # set once the run folder is open (lifecycle)
@@ -135,4 +138,6 @@ class MetricsRecords:
 
     def clear(self) -> None:
         self.on_log.clear()
+        if self.split is not None:
+            self.split.clear()
         self.trackers.close(1)  # a no-op after attempts.end closed them with the attempt's exit code

@@ -1,5 +1,5 @@
-"""What a run registers, and the hooks that watch it: a model's forward (timed; DDP's buffer
-broadcast booked as comm), a loader's fetches (where the implicit step boundary runs), an
+"""What a run registers, and the hooks that watch it: a model's forward (timed on sampled steps;
+forward_split.py), a loader's fetches (where the implicit step boundary runs), an
 optimizer's step (counted as a step, gradients measured). Registered objects are checkpointed."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data import TrainLoader
 from ..errors import UserError
@@ -30,12 +29,10 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
     if isinstance(obj, nn.Module):
         b.models.append(obj)
         b.modules.append(module if module is not None else unwrap(obj))
-        # The forward/backward split is read by the per-rank metrics only; a module hook costs every
-        # call a few microseconds (torch's slow call path), so without them there is none.
-        if b.policy.rank_metrics and b.policy.log_every > 0:
-            obj.register_forward_hook(lambda *_: b.timer.mark("forward"))
-            if isinstance(obj, DDP):
-                _time_ddp_forward(b, obj)
+        # The forward/backward split is read by the per-rank metrics only, and measured on a few
+        # steps of each window (forward_split.py); without them no hook is ever registered.
+        if b.records.split is not None:
+            b.records.split.add(obj)
         base = "model"
     elif isinstance(obj, TrainLoader):
         b.loaders.append(obj)
@@ -55,21 +52,3 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
     else:
         base = type(obj).__name__.lower()
     b.state.add(name or b.state.next_name(base), obj)
-
-def _time_ddp_forward(b: Boundary, ddp: DDP) -> None:
-    """DDP's pre-forward broadcasts rank 0's buffers (BatchNorm statistics) to every rank, a wait
-    on the others: booked as comm (the loop's own work before the call as other), and the forward
-    is timed from the inner module's start. Only inside DDP's call: the inner module alone (an
-    eval) marks nothing."""
-    inside = [False]
-
-    def entering(*_: object) -> None:
-        b.timer.mark("other")
-        inside[0] = True
-
-    def inner_start(*_: object) -> None:
-        if inside[0]:
-            inside[0] = False
-            b.timer.mark("comm", gpu="forward start")
-    ddp.register_forward_pre_hook(entering)
-    ddp.module.register_forward_pre_hook(inner_start)

@@ -1,5 +1,6 @@
-"""A stop signal (preemption, Ctrl-C): the ranks agree on it every preempt_check_every steps,
-then checkpoint, requeue where the launcher can, and exit 75 (130 for Ctrl-C) together."""
+"""A stop signal (preemption, Ctrl-C): the ranks agree on it every preempt_check_every steps (the
+all-reduce sent a step ahead, read at the check), then checkpoint, requeue where the launcher can,
+and exit 75 (130 for Ctrl-C) together."""
 from __future__ import annotations
 
 import signal
@@ -8,23 +9,40 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from ..dist.collectives import barrier
-from ..reliability.preemption import agree_stop, exit_code, requeue, requeues
+from ..reliability.preemption import agree_stop, agree_stop_later, exit_code, requeue, requeues
 
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
     from .core import StepBoundary as Boundary
 
 
 
-def signalled(b: Boundary) -> tuple[int, bool]:
+def signalled(b: Boundary, fresh: bool = False) -> tuple[int, bool]:
     """The ranks agree on any stop signal so far and on whether a timed checkpoint is due (rank 0's
-    clock): (the signal to stop on, 0 for none; due). Collective, every preempt_check_every steps."""
-    due = (b.ctx.is_main and bool(b.state) and b.policy.ckpt_every_s > 0 and b.rd is not None
-           and time.monotonic() - b.steps.last_save_t >= b.policy.ckpt_every_s)
+    clock): (the signal to stop on, 0 for none; due). Collective, every preempt_check_every steps.
+    What start_ahead sent is read here; without it (the first check, one at world size 1, a second
+    one at the same step, as after a save), or `fresh` (a check an epoch's last step owed, made after
+    the epoch's end work: a signal during an eval counts now), the ranks agree on the spot."""
+    ahead, b.stop_ahead = b.stop_ahead, None
     with b.collective("preemption check"):
-        signum, due = agree_stop(b.ctx, b.flag, due)
+        sent = ahead() if ahead is not None else None  # every rank sent it: read it, counted or not
+        signum, due = sent if sent is not None and not fresh else agree_stop(b.ctx, b.flag, _due(b))
         for hook in b.hooks:  # strategy ft: every replica group alike
             signum, due = hook.agree_stop(b, signum, due)
     return signum, due
+
+
+def start_ahead(b: Boundary) -> None:
+    """At the end of the step before a check step: send that check's agreement now, so that at the
+    check no rank waits for the others (their part arrived while it computed the step). A signal
+    that lands in between is acted on one check later, as one landing just after the check would be.
+    One in flight at a time (an epoch's last step may owe its check to the next batch)."""
+    if b.ctx.world_size > 1 and b.stop_ahead is None:
+        b.stop_ahead = agree_stop_later(b.ctx, b.flag, _due(b))
+
+
+def _due(b: Boundary) -> bool:
+    return (b.ctx.is_main and bool(b.state) and b.policy.ckpt_every_s > 0 and b.rd is not None
+            and time.monotonic() - b.steps.last_save_t >= b.policy.ckpt_every_s)
 
 
 def leave(b: Boundary, signum: int, saved: bool, took: float) -> NoReturn:

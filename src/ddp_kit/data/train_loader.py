@@ -93,6 +93,16 @@ class ShardedSampler(DistributedSampler):
 
 
 
+def _indexed_in_place(dataset: Dataset, num_workers: int, collate_fn: Any, pin_memory: bool) -> bool:
+    """Whether the micro-batches can be taken by indexing the dataset's own tensors: a plain TensorDataset
+    (a subclass may load differently), on the CPU, loaded in this process with the default collate
+    and not pinned. The same batches as collating sample by sample (a stack of the same rows), for a
+    fraction of the cost: 64 samples of 3x32x32 take ~0.45 ms through __getitem__ and collate, ~1/20 of
+    a small model's CPU step, and ~0.05 ms as one index_select per tensor."""
+    return (type(dataset) is torch.utils.data.TensorDataset and not num_workers and not pin_memory
+            and collate_fn in (None, default_collate) and all(t.device.type == "cpu" for t in dataset.tensors))
+
+
 class TrainLoader:
     """Iterates one epoch of micro-batches per `iter()`, and moves to the next epoch by itself.
 
@@ -105,7 +115,9 @@ class TrainLoader:
 
     `resident` (a device): a TensorDataset is copied there once, and each micro-batch is taken by
     indexing it there (the same samples, in the same order, as the DataLoader would collate), with no
-    per-step collate, pin or host-to-device copy; the epoch's indices cross once per epoch.
+    per-step collate, pin or host-to-device copy; the epoch's indices cross once per epoch. A plain
+    TensorDataset of CPU tensors that is not pinned for a GPU (a CPU run), with no workers and the
+    default collate, is indexed where it is the same way, unasked.
     """
 
     def __init__(self, dataset: Dataset, *, global_batch: int, world_size: int, rank: int,
@@ -122,6 +134,8 @@ class TrainLoader:
                                 f"{' and its own collate_fn' if collate_fn not in (None, default_collate) else ''}",
                                 "use device_data only for an in-memory TensorDataset with num_workers=0, or drop it")
             self._tensors = [t.to(resident) for t in dataset.tensors]
+        elif _indexed_in_place(dataset, num_workers, collate_fn, pin_memory):
+            self._tensors = list(dataset.tensors)
         self._epoch_index: tuple[torch.Tensor, ...] = ()
         self.micro_batch = per_rank_batch(global_batch, world_size, grad_accum)
         self.global_batch = global_batch

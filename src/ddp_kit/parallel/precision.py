@@ -3,8 +3,7 @@ autocast around the forward, and the GradScaler that fp16 needs."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -47,14 +46,15 @@ def _bf16_facts(device: torch.device) -> tuple[str, tuple[int, int], bool | None
     return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), native, supported
 
 
-@contextmanager
-def autocast(amp: str, device: torch.device) -> Iterator[None]:
+_OFF = nullcontext()  # reusable: amp off costs the step no new object
+
+
+def autocast(amp: str, device: torch.device) -> AbstractContextManager[object]:
+    """The context around a forward: torch.autocast in the AMP dtype, nothing with amp off (entered
+    every micro-step, so it is built without a generator)."""
     if amp == "off":
-        yield
-        return
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    with torch.autocast(device_type=device.type, dtype=dtype):
-        yield
+        return _OFF
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
 def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:

@@ -81,39 +81,90 @@ class GpuSpans:
         return out
 
 
+# The parts the forward hooks split the stretch from the loop's last mark to the end of backward into.
+SPLIT = ("other", "comm", "forward", "backward")
+
+
 @dataclass
 class StepTimer:
     """Sums of seconds per part over the current log window; a few perf_counter calls per step
-    (and, on a GPU, `gpu`'s CUDA events)."""
+    (and, on a GPU, `gpu`'s CUDA events).
+
+    Forward is told apart from backward by module hooks (`hooked`), which cost every forward call
+    torch's slow path; so the step boundary registers them on a few steps of each window only
+    (boundary/forward_split.py: `sampling`, and `split` on those steps). On the other steps the
+    stretch from the loop's last mark to the end of backward is timed whole, and the window divides it
+    in the proportions the sampled steps had (the last window's when this one had none). The CUDA
+    events are recorded on the sampled steps only, and their spans averaged over those steps. Used
+    without sampling (the default), every step's marks count as they come."""
 
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     steps: int = 0
     gpu: GpuSpans | None = None
+    sampling: bool = False  # the forward hooks run on sampled steps only (ForwardSplit)
+    split: bool = True  # this step's forward/backward is split by the hooks (always, without sampling)
     _t: float = field(default_factory=time.perf_counter)
+    _segment: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPLIT, 0.0))  # sampled steps, by part
+    _whole: float = 0.0  # the unsampled steps' forward-to-backward stretch, undivided
+    _in_segment: bool = False
+    _sampled_steps: int = 0
+    _shares: dict[str, float] | None = None  # the proportions last used
+    _gpu_last: dict[str, float] = field(default_factory=dict)
 
     def mark(self, part: str, gpu: str | None = None) -> None:
         """Charge the time since the previous mark to `part`; `gpu`: the GPU spans' name for this
         point when it differs from `part`."""
         now = time.perf_counter()
-        self.sums[part] += now - self._t
+        spent = now - self._t
         self._t = now
+        if part == "backward":
+            if self._in_segment:  # a sampled step's stretch ends here
+                self._in_segment = False
+                self._segment["backward"] += spent
+                self._sampled_steps += 1
+            elif not self.split:  # an unsampled step: forward and backward in one
+                self._whole += spent
+                return
+        self.sums[part] += spent
+        if self.gpu is not None and self.split:
+            self.gpu.mark(gpu or part)
+
+    def hooked(self, part: str, gpu: str | None = None) -> None:
+        """A forward hook's mark: like `mark`, and kept as a piece of the sampled stretch that ends at backward."""
+        now = time.perf_counter()
+        spent = now - self._t
+        self._t = now
+        self.sums[part] += spent
+        self._segment[part] += spent
+        self._in_segment = True
         if self.gpu is not None:
             self.gpu.mark(gpu or part)
 
     def window(self) -> dict[str, float]:
         """Mean seconds per step for each part since the last call, then start a new window."""
         n = max(self.steps, 1)
+        if self._whole:
+            total = sum(self._segment.values())
+            shares = {k: v / total for k, v in self._segment.items()} if total > 0 else self._shares
+            self._shares = shares
+            for k, share in (shares or {"backward": 1.0}).items():  # no sample yet: as without the hooks
+                self.sums[k] += self._whole * share
         out = {f"{k}_s": v / n for k, v in self.sums.items()}
         out["step_s"] = sum(self.sums.values()) / n
         # backward holds DDP's all-reduce wait, comm the loop's own collectives: both absorb other ranks' lag
         out["local_s"] = out["step_s"] - out["backward_s"] - out["comm_s"]
         if self.gpu is not None:
-            out.update(self.gpu.window(n))
+            measured = self._sampled_steps if self.sampling else n
+            spans = self.gpu.window(max(measured, 1))  # read (and free) whatever was recorded
+            if measured:
+                self._gpu_last = spans
+            out.update(self._gpu_last or spans)
             # a slow GPU shows in its own forward and optimizer time, not in the host's
             gpu_local = out["data_s"] + out["other_s"] + out["gpu_forward_s"] + out["gpu_optimizer_s"]
             out["local_s"] = max(out["local_s"], gpu_local)
         self.sums = dict.fromkeys(PARTS, 0.0)
-        self.steps = 0
+        self._segment = dict.fromkeys(SPLIT, 0.0)
+        self._whole, self._sampled_steps, self.steps = 0.0, 0, 0
         return out
 
 

@@ -126,10 +126,22 @@ def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple
     one all-reduce carries both, so a timed checkpoint costs no collective of its own."""
     if ctx.world_size == 1:
         return flag.signum, also
+    return agree_stop_later(ctx, flag, also)()
+
+
+def agree_stop_later(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> Callable[[], tuple[int, bool]]:
+    """agree_stop sent now, read when the returned function is called (every rank calls it at the
+    same point of the loop). The all-reduce goes out without waiting (async_op), so a rank that
+    would wait here for the slowest one, and on a busy core for the scheduler to wake it again,
+    reads a result that arrived while it computed. World size > 1."""
     t = torch.tensor([PRIORITY.index(flag.signum), int(also)], dtype=torch.int64, device=ctx.control_device)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=ctx.control_group)
-    prio, any_also = t.tolist()
-    return int(PRIORITY[prio]), bool(any_also)
+    work = tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=ctx.control_group, async_op=True)
+
+    def result() -> tuple[int, bool]:
+        work.wait()
+        prio, any_also = t.tolist()
+        return int(PRIORITY[prio]), bool(any_also)
+    return result
 
 
 def requeues(signum: int, env: DistEnv) -> bool:

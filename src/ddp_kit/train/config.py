@@ -65,7 +65,7 @@ class JobKeys:
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for float32 matmuls and convolutions (about 10 mantissa bits).")
     cudnn_benchmark: bool = _f(True, "CUDA: let cuDNN time its algorithms on the first batches of each shape and keep the fastest.")
     deterministic: bool = _f(False, "Deterministic kernels (cuDNN deterministic, torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG); bit-identical resume on a GPU needs it.")
-    device_data: bool = _f(False, "Keep an in-memory TensorDataset (digits, synthetic, your own) on the device: the same batches, indexed there, no per-step collate or copy (num_workers 0).")
+    device_data: bool = _f(False, "Keep an in-memory TensorDataset (digits, synthetic, your own) on the device: the same batches, indexed there, no per-step collate or copy (num_workers 0). A CPU run indexes a plain TensorDataset so without it.")
     synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,21 +30,35 @@ def _channels_last(batch: Any) -> Any:
     return batch
 
 
+_ONE_STEP = nullcontext()  # one micro-batch: nothing to accumulate, the step syncs as any step does
+
+
+def _float32(value: Any) -> torch.Tensor:
+    """`value` as a float32 tensor off the graph, with no op where it is one already (a step's
+    metrics: each op is a few microseconds, every step)."""
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    t = t.detach() if t.requires_grad else t
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss and metrics
     as tensors. No `.item()` here: on CUDA that would wait for the GPU every step. With one
-    micro-batch nothing is divided or summed into a fresh zero (the same numbers, fewer ops), and a
-    disabled GradScaler is not called at all."""
+    micro-batch nothing is divided or summed into a fresh zero (the same numbers, fewer ops), no
+    accumulation context is looked up, a disabled GradScaler is not called at all, and on CPU the
+    batch is not "copied" to where it is (each a few microseconds of every step)."""
     cfg, model, run = job.cfg, job.model, job.run
     n = len(micro_batches)
     scaler = job.scaler if job.scaler.is_enabled() else None
+    on_cpu = run.device.type == "cpu"  # the loader's batches are there already
     total: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
-        batch = to_device(batch, run.device)
+        if not on_cpu:
+            batch = to_device(batch, run.device)
         if cfg.channels_last:
             batch = _channels_last(batch)
-        with run.accumulate(model, last=(i == n - 1)):
+        with run.accumulate(model, last=(i == n - 1)) if n > 1 else _ONE_STEP:
             with autocast(cfg.amp, run.device):
                 loss, parts = split_loss(cfg.loss, job.loss_fn(model, batch))
                 if n > 1:
@@ -51,10 +66,10 @@ def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, t
             if job.faults:
                 loss = loss * job.faults.loss_factor(run.steps_done + 1)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        value = loss.detach().float()
+        value = _float32(loss)
         total = value if total is None else total + value
         for k, v in parts.items():
-            part = torch.as_tensor(v).detach().float()
+            part = _float32(v)
             part = part / n if n > 1 else part
             metrics[k] = metrics[k] + part if k in metrics else part
     if scaler is not None:

@@ -142,7 +142,7 @@ def split_loss(kind_spec: str, out: Any) -> tuple[torch.Tensor, dict[str, torch.
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1) or not isinstance(metrics, dict):
         raise UserError(f"--loss {kind_spec} returned {type(out).__name__}; expected a scalar loss tensor or "
                         f"(loss, {{'name': value, ...}})", "return loss, or loss and a dict of metrics")
-    return loss.reshape(()), metrics
+    return (loss if loss.dim() == 0 else loss.reshape(())), metrics
 
 
 def batch_size(batch: Any) -> int:
