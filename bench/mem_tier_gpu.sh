@@ -23,7 +23,7 @@ cp bench/mem_tier_results.json "$OUT/" 2>/dev/null
 args=(--epochs 2 --ckpt_every 10 --progress false --log_every 5 --device cuda --deterministic true)
 run() { "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 "$@"; }
 run -m ddp_kit.train "${args[@]}" --run_dir "$OUT/ref" > "$OUT/ref.log" 2>&1
-run --max-restarts=1 -m ddp_kit.train "${args[@]}" --mem_ckpt_every 3 --inject kill:rank=0:step=14 \
+run --max-restarts=1 -m ddp_kit.train "${args[@]}" --mem_ckpt_every 3 --inject "slow:rank=0:step=12:ms=100,kill:rank=0:step=14" \
     --run_dir "$OUT/killed" > "$OUT/killed.log" 2>&1
 grep -h "ddp_kit: resumed\|memory tier\|error" "$OUT/killed.log" | tee -a "$log"
 "$PY" - "$OUT" <<'PY' 2>&1 | tee -a "$log"
