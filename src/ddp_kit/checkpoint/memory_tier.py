@@ -184,6 +184,7 @@ class MemoryTier:
         self.peer_last = _newest(self.peer) if self.peer else None
         self._thread: threading.Thread | None = None
         self.copying: threading.Event | None = None  # set once the last save's deferred copy is done
+        self._written: threading.Event | None = None  # set once the last save's copy has its manifest
         self.error: BaseException | None = None
         self.sized = False
         self.saves = 0
@@ -226,7 +227,8 @@ class MemoryTier:
         self.last = self.own.index(slot)
         self.saves += 1
         self.copying = threading.Event()
-        self._thread = threading.Thread(target=self._finish, args=(slot, manifest, deferred, self.copying),
+        self._written = threading.Event()
+        self._thread = threading.Thread(target=self._finish, args=(slot, manifest, deferred, self.copying, self._written),
                                         name=f"ddp_kit-mem-{step}", daemon=True)
         self._thread.start()
         self.blocking_s.append(time.monotonic() - started)
@@ -262,14 +264,17 @@ class MemoryTier:
                             verdict=True)
 
     def _finish(self, slot: _Slot, manifest: dict[str, Any], deferred: tuple[list[torch.Tensor], list[list[Any]]],
-                copying: threading.Event) -> None:
+                copying: threading.Event, written: threading.Event) -> None:
         try:
             assert slot.buf is not None
             try:
                 mc.fill(slot.buf, *deferred)
             finally:
                 copying.set()
-            mc.write_manifest(slot.folder, manifest)  # complete, not yet sealed
+            try:
+                mc.write_manifest(slot.folder, manifest)  # complete, not yet sealed
+            finally:
+                written.set()
             sealed = {**manifest, "sha256": mc.checksum(slot.buf)}
             mc.write_manifest(slot.folder, sealed)
             if self.partner is not None and self.error is None:
@@ -452,6 +457,8 @@ class MemoryTier:
         failed one leaves them for the restart, with no wait for a peer copy a lost partner never answers."""
         if clean:
             self.wait()
+        elif self._written is not None:  # the last copy is whole once its manifest is there: a local write
+            self._written.wait(timeout=30)
         for slot in self.own + self.peer:
             slot.release()
             if clean:
