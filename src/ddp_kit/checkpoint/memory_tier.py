@@ -187,7 +187,6 @@ class MemoryTier:
         self._written: threading.Event | None = None  # set once the last save's copy has its manifest
         self.error: BaseException | None = None
         self.sized = False
-        self.saves = 0
         self.blocking_s: list[float] = []
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -225,7 +224,6 @@ class MemoryTier:
                     "node": self.node, "node_rank": self.ctx.env.node_rank, "nbytes": nbytes, "tensors": entries,
                     "tree": tree, "meta": meta, "sha256": None}
         self.last = self.own.index(slot)
-        self.saves += 1
         self.copying = threading.Event()
         self._written = threading.Event()
         self._thread = threading.Thread(target=self._finish, args=(slot, manifest, deferred, self.copying, self._written),
