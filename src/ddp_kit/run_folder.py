@@ -7,6 +7,8 @@
     run_dir/hang/                                     stacks and traces of a hang or crash
     run_dir/archive/<time>/                           what a fresh start (`--resume never`) moved aside
     run_dir/.lock                                     held (flock) by rank 0 of the job using the folder
+    run_dir/.run_id                                   the run's identity, made at its first start: what the memory
+                                                      tier's copies belong to (a new folder is a new run)
 
 - Writable: rank 0 creates the folder and writes a probe, so a read-only mount or a path under a
   regular file is one line at startup, not a traceback at the first checkpoint.
@@ -143,6 +145,28 @@ def _read_holder(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
+
+
+def run_identity(path: Path) -> str:
+    """The run's identity, made at its first start in this folder and kept there (rank 0)."""
+    file = path / ".run_id"
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        try:
+            got = file.read_text().strip()
+        except OSError:
+            got = ""
+        if len(got) == 32:
+            return got
+        file.unlink(missing_ok=True)  # cut short by a kill between create and write: make it again
+        return run_identity(path)
+    run = secrets.token_hex(16)
+    try:
+        os.write(fd, (run + "\n").encode())
+    finally:
+        os.close(fd)
+    return run
 
 
 def new_token() -> str:

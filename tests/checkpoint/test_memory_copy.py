@@ -4,6 +4,7 @@ import json
 import math
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -73,8 +74,10 @@ def test_a_pickle_in_the_data_file_is_only_bytes(tmp_path):
 
     payload = pickle.dumps(Boom())
     folder = tmp_path / "c"
-    m = write(folder, {"w": torch.zeros(len(payload), dtype=torch.uint8)}, seal=False)
-    (folder / mc.DATA).write_bytes(payload.ljust(m["nbytes"], b"\0"))  # same size, other bytes: unsealed, so it reads
+    m = write(folder, {"w": torch.zeros(len(payload), dtype=torch.uint8)})
+    forged = payload.ljust(m["nbytes"], b"\0")  # same size, other bytes, and a checksum to match them
+    (folder / mc.DATA).write_bytes(forged)
+    mc.write_manifest(folder, {**m, "sha256": mc.checksum(torch.frombuffer(bytearray(forged), dtype=torch.uint8))})
     back = mc.decode(m, mc.read_data(folder, mc.manifest_of(folder)))
     assert bytes(back["w"].numpy()) == payload
 
@@ -87,6 +90,8 @@ def test_a_pickle_in_the_data_file_is_only_bytes(tmp_path):
     ("tree", "malformed node"),
     ("not_json", "unreadable"),
     ("format", "not a ddp_kit memory-tier manifest"),
+    ("unsealed", "not sealed"),
+    ("linked", "unreadable"),
 ])
 def test_forged_or_damaged_copies_are_refused(tmp_path, damage, why):
     folder = tmp_path / "c"
@@ -109,6 +114,12 @@ def test_forged_or_damaged_copies_are_refused(tmp_path, damage, why):
         (folder / mc.MANIFEST).write_bytes(pickle.dumps({"step": 1}))
     elif damage == "format":
         mc.write_manifest(folder, {**m, "format": "pickle"})
+    elif damage == "unsealed":  # its writer was killed before the checksum: never used, whatever it holds
+        mc.write_manifest(folder, {**m, "sha256": None})
+    elif damage == "linked":  # a manifest that is a link to another file is not read through
+        (tmp_path / "elsewhere.json").write_text(json.dumps(m))
+        (folder / mc.MANIFEST).unlink()
+        (folder / mc.MANIFEST).symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(mc.Unusable, match=why):
         read(folder)
 
@@ -153,22 +164,46 @@ def test_a_restarted_process_finds_and_loads_its_copy(tmp_path):
 
     said = []
     w = torch.randn(4, 4)
-    tier = MemoryTier(one_rank(), "/ckpt/of/this/job", root=tmp_path)
+    tier = MemoryTier(one_rank(), "/ckpt/of/this/job", "run-a", root=tmp_path)
     for step in (3, 6):
         w.add_(1.0)
         tier.save(step, {"shared": {"model": {"w": w}, "loop": {"step": step}}, "per_rank": {"rng": {"n": step}},
                          "sharded": None}, {"strategy": "ddp"}, said.append, later=lambda t: t is w)
     tier.close(clean=False)  # a failed end: the copies stay
     assert len(said) == 1 and "2 copies of" in said[0]
-    again = MemoryTier(one_rank(), "/ckpt/of/this/job", root=tmp_path)
+    again = MemoryTier(one_rank(), "/ckpt/of/this/job", "run-a", root=tmp_path)
     found = again.find(after=None, warn=said.append)
     assert found is not None and found.step == 6 and found.tier == "memory"
     shared, own, meta = again.load(found)
     assert torch.equal(shared["model"]["w"], w) and own == {"rng": {"n": 6}} and meta["world_size"] == 1
     assert again.find(after=6, warn=said.append) is None  # not newer than the durable step: the durable tier
-    assert MemoryTier(one_rank(), "/another/job", root=tmp_path).find(after=None, warn=said.append) is None
+    assert MemoryTier(one_rank(), "/another/job", "run-a", root=tmp_path).find(after=None, warn=said.append) is None
+    # The same location, another run (its run folder deleted and made anew): never the old run's copies.
+    assert MemoryTier(one_rank(), "/ckpt/of/this/job", "run-b", root=tmp_path).find(after=None, warn=said.append) is None
     again.close(clean=True)
     assert not (tmp_path / again.key).exists()
+
+
+def test_a_copy_of_another_run_or_lineage_is_never_used(tmp_path):
+    """A manifest naming another run (copied into this run's folder) is refused by name; two attempts'
+    copies of one step are never paired across ranks."""
+    from ddp_kit.checkpoint.memory_tier import MemoryTier
+
+    said = []
+    tier = MemoryTier(one_rank(), "/ckpt", "run-a", root=tmp_path)
+    tier.save(3, {"shared": {"w": torch.ones(2)}}, {}, said.append)
+    tier.close(clean=False)
+    folder = next((tmp_path / tier.key).glob("own-r0-*"))
+    m = mc.manifest_of(folder)
+    mc.write_manifest(folder, {**m, "run": "someone-else"})
+    again = MemoryTier(one_rank(), "/ckpt", "run-a", root=tmp_path)
+    assert again.find(after=None, warn=said.append) is None
+    assert any("belongs to another run" in s for s in said), said
+    nodes = ["A", "B"]
+    mixed = [{**entry(0, 12, "A", 0), "lineage": "attempt-1"}, {**entry(1, 12, "B", 1), "lineage": "attempt-2"},
+             {**entry(0, 9, "A", 0), "lineage": "attempt-1"}, {**entry(1, 9, "B", 1), "lineage": "attempt-1"}]
+    step, sources = _choose(mixed, nodes, 2)
+    assert step == 9 and {s["lineage"] for s in sources} == {"attempt-1"}
 
 
 def test_a_tier_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -177,7 +212,7 @@ def test_a_tier_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
     from ddp_kit.checkpoint.memory_tier import MemoryTier
     from ddp_kit.errors import UserError
 
-    tier = MemoryTier(one_rank(), "/ckpt", root=tmp_path)
+    tier = MemoryTier(one_rank(), "/ckpt", "run", root=tmp_path)
     real = os.statvfs(tmp_path)
     monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((real.f_bsize, 1, 100, 1, 1) + tuple(real)[5:]))
     with pytest.raises(UserError, match="memory tier needs 0.1 MB per node") as err:
@@ -185,13 +220,89 @@ def test_a_tier_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
     assert "DDP_KIT_MEM_DIR" in err.value.hint and "\n" not in str(err.value)
 
 
-def test_another_jobs_copies_go_when_no_live_process_owns_them(tmp_path):
+def test_a_copy_that_no_longer_fits_is_one_warning_and_the_last_copy_stands(tmp_path, monkeypatch, capsys):
+    """The tmpfs full for a moment (other traffic): that copy is lost, said once, and training goes on."""
+    from ddp_kit.checkpoint import memory_tier as mt
+
+    tier = mt.MemoryTier(one_rank(), "/ckpt", "run", root=tmp_path)
+    state = lambda v: {"shared": {"w": torch.full((4096,), float(v))}}
+    tier.save(3, state(3), {}, lambda msg: None)
+    monkeypatch.setattr(mt, "_room", lambda folder: 0)
+    tier.save(6, state(6), {}, lambda msg: None)
+    tier.save(9, state(9), {}, lambda msg: None)
+    monkeypatch.undo()
+    tier.wait()
+    lost = [line for line in capsys.readouterr().out.splitlines() if "lost its copy" in line]
+    assert len(lost) == 1 and "step 6" in lost[0] and "less than" in lost[0], lost
+    tier.close(clean=False)
+    found = mt.MemoryTier(one_rank(), "/ckpt", "run", root=tmp_path).find(after=None, warn=print)
+    assert found is not None and found.step == 3
+
+
+def test_another_jobs_copies_go_only_when_no_process_holds_them_for_a_while(tmp_path):
+    """Liveness is a lock (it holds across pid namespaces), and an unheld folder is kept for KEEP_S (a
+    job between two attempts); an earlier run's folder at this location goes at once."""
+    from ddp_kit.checkpoint import memory_root as mr
     from ddp_kit.checkpoint.memory_tier import MemoryTier
 
-    dead = max(int(open("/proc/sys/kernel/pid_max").read()) - 1, 2)  # no process this high on a test machine
-    abandoned, running = tmp_path / "abandoned", tmp_path / "running"
-    for folder, pid in ((abandoned, dead), (running, os.getpid())):
-        (folder / "own-r0-s0").mkdir(parents=True)
-        (folder / f"owner.{pid}").touch()
-    MemoryTier(one_rank(), "/this/job", root=tmp_path)
-    assert not abandoned.exists() and running.exists()
+    running = MemoryTier(one_rank(), "/running/job", "r1", root=tmp_path)
+    between = MemoryTier(one_rank(), "/restarting/job", "r1", root=tmp_path)
+    between.close(clean=False)  # its next attempt has not started yet
+    gone = MemoryTier(one_rank(), "/abandoned/job", "r1", root=tmp_path)
+    gone.close(clean=False)
+    old = time.time() - mr.KEEP_S - 1
+    for tier in (running, gone):
+        os.utime(tier.dir / mr.ALIVE, (old, old))
+    earlier = MemoryTier(one_rank(), "/this/job", "old-run", root=tmp_path)
+    earlier.close(clean=False)
+    MemoryTier(one_rank(), "/this/job", "new-run", root=tmp_path)
+    assert running.dir.exists() and between.dir.exists()
+    assert not gone.dir.exists() and not earlier.dir.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder of another user")
+@pytest.mark.parametrize("planted", ["other_owner", "world_writable", "others_link"])
+def test_a_root_another_user_can_write_into_is_refused(tmp_path, planted):
+    from ddp_kit.checkpoint.memory_tier import MemoryTier
+    from ddp_kit.errors import UserError
+
+    root = tmp_path / "shm"
+    if planted == "others_link":
+        (tmp_path / "theirs").mkdir(mode=0o700)
+        root.symlink_to(tmp_path / "theirs")
+        os.lchown(root, 65534, 65534)
+    else:
+        root.mkdir(mode=0o700)
+        if planted == "other_owner":
+            os.chown(root, 65534, 65534)
+        else:
+            os.chmod(root, 0o1777)
+    with pytest.raises(UserError, match="is not yours alone") as err:
+        MemoryTier(one_rank(), "/ckpt", "run", root=root)
+    assert "DDP_KIT_MEM_DIR" in err.value.hint
+
+
+def test_the_default_root_is_private_to_its_user(tmp_path, monkeypatch):
+    from ddp_kit.checkpoint import memory_root as mr
+
+    monkeypatch.delenv(mr.ENV_DIR, raising=False)
+    assert mr.root_dir().name == f"ddp_kit-{os.geteuid()}"
+    root = tmp_path / "fresh"
+    mr.make_private(root)
+    assert oct(os.stat(root).st_mode & 0o777) == oct(0o700)
+
+
+def test_a_planted_link_is_replaced_never_written_through(tmp_path):
+    """A link where a copy's files go: the write replaces the link, the file it points to is untouched."""
+    from ddp_kit.checkpoint.memory_tier import _mapped
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for name in (mc.MANIFEST, mc.DATA):
+        (folder / name).symlink_to(victim)
+    mc.write_manifest(folder, {"format": mc.FORMAT})
+    _mapped(folder / mc.DATA, 128)
+    assert victim.read_text() == "keep"
+    assert not (folder / mc.MANIFEST).is_symlink() and not (folder / mc.DATA).is_symlink()

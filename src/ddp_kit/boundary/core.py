@@ -386,7 +386,7 @@ class StepBoundary:
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier on this node (collective the first time: a gloo group of its own)."""
         if self._mem is None:
-            self._mem = MemoryTier(self.ctx, tier_location(self.checkpointer()))
+            self._mem = MemoryTier(self.ctx, tier_location(self.checkpointer()), self.resources.run_id or "")
         return self._mem
 
     def save_memory(self) -> None:

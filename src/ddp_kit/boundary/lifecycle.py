@@ -22,13 +22,14 @@ class RunResources:
         self.ctx, self.rd, self.progress, self.watchdog, self.hang_dir = ctx, rd, progress, watchdog, hang_dir
         self.writer: RunWriter | None = None
         self.leftover: tuple[int, str] | None = None
+        self.run_id: str | None = None  # the run's identity (run_folder.run_identity), rank 0's on every rank
         self._stack = ExitStack()
 
     def start(self, config: dict[str, Any] | None) -> None:
         """Before any work: the run folder is checked and locked, the watchdog runs."""
         stack, ctx = self._stack, self.ctx
         if self.rd is not None:
-            lock = prepare_run_dir(ctx, self.rd)
+            lock, self.run_id = prepare_run_dir(ctx, self.rd)
             if lock is not None:
                 stack.callback(lock.release)
             self.writer = RunWriter(self.rd, ctx.is_main)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint.checkpointer import set_rng_state
+from ..dist.collectives import broadcast_object
 from ..errors import UserError
 from ..parallel.strategy import UNRECORDED
 from ..reliability.recipe import hyperparameters, is_scheduler, overridden, refuse_changed
@@ -31,15 +32,26 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
     # A replica group that restarts while others train (strategy ft) takes their state live instead.
     live = any([hook.restore(b) for hook in b.hooks])
     warn = lambda msg: b.say(f"ddp_kit: warning: {msg}")
-    found = None if live else ckpt.find(b.policy.resume, warn=warn)
-    mem = None
-    if not live and b.policy.mem_ckpt_every and b.rd is not None:
+    found = mem = None
+    durable: int | None = None  # the durable tier's newest step, when the memory tier was asked first
+    tiered = not live and bool(b.policy.mem_ckpt_every) and b.rd is not None
+    if tiered:
         tier = b.memory_tier()
         if b.policy.resume == "auto":  # newer than the durable step, on every rank: a copy in memory
-            mem = tier.find(found.step if found is not None else None, warn)
+            known, durable = _durable_latest(b, ckpt)
+            if not known:  # the pointer could not be read: the durable tier's own choice first, as its floor
+                found = ckpt.find(b.policy.resume, warn=warn)
+                durable = found.step if found is not None else None
+            mem = tier.find(durable, warn)
         else:  # a new lineage (never, or a named step): what the memory tier holds is abandoned
             tier.clear()
+    if not live and mem is None and found is None:  # (a step in memory: the durable one is never downloaded)
+        found = ckpt.find(b.policy.resume, warn=warn)
     meta = _restore(b, tier if mem else ckpt, mem or found, check) if (mem or found) is not None else {}
+    if mem is not None:  # not durable until saved durably: the end, a stop or the next ckpt_every saves it
+        b.steps.saved = durable if durable is not None else -1
+    if tiered:
+        tier.continues_from(b.steps.resumed_from)
     if not live:
         for hook in b.hooks:
             hook.restored_from_disk(b)
@@ -52,9 +64,22 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
               f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
     b.tell({"event": "resume", "step": b.steps.done, "from": "peer" if live else "checkpoint" if mem or found else "none",
             # which tier, and the durable step a restart without the memory tier would have replayed from
-            **({"tier": mem.tier if mem else "durable", "durable_step": found.step if found else 0} if mem or found else {})})
+            **({"tier": mem.tier if mem else "durable", "durable_step": (durable if mem else found.step if found else 0) or 0}
+               if mem or found else {})})
     open_trackers(b, start=b.steps.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
     return b.steps.done
+
+
+def _durable_latest(b: Boundary, ckpt: Any) -> tuple[bool, int | None]:
+    """(whether it could be read, the step) the durable tier's pointer names: rank 0 reads it, a name only
+    (the step itself is downloaded and checked only if the memory tier has nothing newer)."""
+    def read() -> tuple[bool, int | None]:
+        try:
+            return True, ckpt.latest()
+        except Exception:  # the durable tier's find says what is wrong, in its own words
+            return False, None
+    known, step = broadcast_object(b.ctx, read() if b.ctx.is_main else None)
+    return bool(known), step
 
 
 def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict[str, Any]], str | None] | None) -> dict[str, Any]:

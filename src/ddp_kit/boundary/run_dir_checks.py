@@ -9,17 +9,18 @@ from ..checkpoint.backend import scheme_of
 from ..dist import DistContext
 from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..errors import UserError
-from ..run_folder import RunDir, RunLock, check_writable, new_token, remove_token, sees_token, write_token
+from ..run_folder import RunDir, RunLock, check_writable, new_token, remove_token, run_identity, sees_token, write_token
 
 
-def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
+def prepare_run_dir(ctx: DistContext, rd: RunDir) -> tuple[RunLock | None, str]:
     """Before any work: the folder is writable, no other job uses it, and every rank sees the folder
     checkpoints are written into: run_dir, or ckpt_dir when that is a folder. With ckpt_dir a URL the
-    store is probed when its backend opens (object_store.probe) and run_dir may be each node's own."""
+    store is probed when its backend opens (object_store.probe) and run_dir may be each node's own.
+    Returns rank 0's lock (None elsewhere) and the run's identity, rank 0's, on every rank."""
     lock = None
     shared = rd.path if rd.ckpt_dir is None else None if scheme_of(rd.ckpt_dir) else Path(rd.ckpt_dir)
 
-    def rank0() -> str:
+    def rank0() -> tuple[str, str]:
         nonlocal lock  # stays on rank 0: only the token travels
         check_writable(rd.path)
         if shared is not None and shared != rd.path:
@@ -27,9 +28,9 @@ def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
         lock = RunLock(rd.path / ".lock", ctx.env.job_id).acquire()
         token = new_token()
         write_token(shared, token) if ctx.world_size > 1 and shared is not None else None
-        return token
+        return token, run_identity(rd.path)
 
-    token = rank0_verdict(ctx, rank0)
+    token, run = rank0_verdict(ctx, rank0)
     if rd.ckpt_dir is not None and ctx.is_main:
         print(f"ddp_kit: checkpoints go to {rd.ckpt_dir} (ckpt_dir); metrics.jsonl, summary.json and hang reports "
               f"stay in run_dir {str(rd.path)!r} on each node's own disk (metrics and summary: rank 0's)", flush=True)
@@ -48,4 +49,4 @@ def prepare_run_dir(ctx: DistContext, rd: RunDir) -> RunLock | None:
                             f"file rank 0 wrote there; checkpoints need every rank to write into the same folder",
                             f"put {what} on storage every node mounts (an absolute path), or checkpoints on an object "
                             f"store: ckpt_dir=s3://BUCKET/PREFIX (--ckpt_dir), with a local run_dir on each node")
-    return lock
+    return lock, run

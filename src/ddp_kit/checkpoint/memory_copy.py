@@ -2,20 +2,19 @@
 (`/dev/shm` by default) that nothing ever unpickles.
 
     <copy>/data.bin        every tensor's bytes, back to back (64-byte aligned)
-    <copy>/manifest.json   written after data.bin is complete: the step, the world size, each
-                           tensor's dtype, shape, offset and size, the state's structure as JSON
-                           (dicts with their int or str keys, lists, tuples, numbers, strings), and
-                           once sealed the sha256 of data.bin
+    <copy>/manifest.json   written once data.bin is complete and its sha256 known: the step, the world
+                           size, each tensor's dtype, shape, offset and size, the state's structure as
+                           JSON (dicts with their int or str keys, lists, tuples, numbers, strings), and
+                           the sha256 of data.bin
 
-A copy is read back only through `read`: the manifest is JSON, its dtypes come from an allow-list,
-every tensor must lie inside data.bin, and a sealed copy's checksum must match. So a forged or
-truncated copy is one more copy that is not usable (named in one line), never code that runs.
+A copy is read back only through `manifest_of` and `read_data`: the manifest is JSON, its dtypes come
+from an allow-list, every tensor must lie inside data.bin, and the checksum must match. So a forged,
+truncated or unsealed copy is one more copy that is not usable (named in one line), never code that
+runs. Files are opened without following links.
 
 Sealing takes a pass over the data (about 50 ms per 100 MB), which is why it is not on the loop's
-path: the manifest is written unsealed at once, when the bytes are complete, and sealed by the
-writer's thread. An unsealed copy is still usable by its own node (its data were whole before its
-manifest existed: a kill cannot leave it half-written); a peer copy is always sealed, since the
-receiver checks it against the sender's checksum before writing its manifest.
+path: the writer's thread computes it, then writes the manifest. A kill before that leaves a copy
+without a manifest, which is not a copy at all: the one before it is used.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import torch
 FORMAT = "ddp_kit.memory/1"
 DATA, MANIFEST = "data.bin", "manifest.json"
 ALIGN = 64
+MAX_MANIFEST = 64 << 20  # a manifest is a few KB to a few MB (an optimizer's structure): more is not one
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -103,20 +103,39 @@ def _bytes(buf: torch.Tensor) -> memoryview:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """Atomically: a reader sees the old manifest, none, or this one."""
-    tmp = folder / f".{MANIFEST}.{os.getpid()}"
-    tmp.write_text(json.dumps(manifest))
+    """Atomically: a reader sees the old manifest, none, or this one. The temporary file is created
+    exclusively and never through a link (a planted link cannot turn this write into another file's)."""
+    tmp = folder / f".{MANIFEST}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(manifest).encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, folder / MANIFEST)
+
+
+def _read_nofollow(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_MANIFEST + 1)
+    finally:
+        os.close(fd)
 
 
 def manifest_of(folder: Path) -> dict[str, Any]:
     """The manifest of the copy in `folder`, checked for shape (not yet against its data)."""
     try:
-        m = json.loads((folder / MANIFEST).read_text())
+        raw = _read_nofollow(folder / MANIFEST)
+        if len(raw) > MAX_MANIFEST:
+            raise ValueError("too large")
+        m = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise Unusable(f"manifest unreadable ({type(exc).__name__})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise Unusable("not a ddp_kit memory-tier manifest")
+    if not isinstance(m.get("sha256"), str):
+        raise Unusable("not sealed: its writer stopped before its checksum was written")
     for key in ("step", "rank", "world_size", "nbytes"):
         if not isinstance(m.get(key), int) or isinstance(m.get(key), bool) or m[key] < 0:
             raise Unusable(f"manifest field {key} missing or not a count")
@@ -139,7 +158,7 @@ def manifest_of(folder: Path) -> dict[str, Any]:
 def check_data(folder: Path, m: dict[str, Any]) -> None:
     """The data file is there at the size the manifest says (cheap: no read)."""
     try:
-        size = (folder / DATA).stat().st_size
+        size = os.stat(folder / DATA, follow_symlinks=False).st_size
     except OSError:
         raise Unusable("data file missing") from None
     if size != m["nbytes"]:
@@ -151,14 +170,15 @@ def read_data(folder: Path, m: dict[str, Any]) -> torch.Tensor:
     the restored optimizer may still hold views), checked against a sealed manifest's sha256."""
     check_data(folder, m)
     buf = torch.empty(m["nbytes"], dtype=torch.uint8)
-    with open(folder / DATA, "rb", buffering=0) as f:
+    fd = os.open(folder / DATA, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
         view, got = _bytes(buf), 0
         while got < m["nbytes"]:
             n = f.readinto(view[got:])
             if not n:
                 raise Unusable("data file ended early")
             got += n
-    if m.get("sha256") is not None and checksum(buf) != m["sha256"]:
+    if checksum(buf) != m.get("sha256"):
         raise Unusable("data does not match the manifest's sha256")
     return buf
 

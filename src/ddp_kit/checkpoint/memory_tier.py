@@ -2,26 +2,31 @@
 memory (`/dev/shm`; `DDP_KIT_MEM_DIR` names another tmpfs), and a thread copies it on to a rank of
 the next node, so that a lost process costs at most a few steps and a lost node as few.
 
-    <root>/node_id                       this node's identity (made once): which copies a rank can read
     <root>/<job>/own-r<R>-s<0|1>/        rank R's two slots: the one being written and the last complete
     <root>/<job>/peer-r<R>-s<0|1>/       the same for rank R of the previous node, received over the network
-    <root>/<job>/owner.<pid>             one per live process of the job: a job with none left is removed
-                                         by the next one that opens the tier on this node
 
-`<job>` is a digest of the durable checkpoint location, so a restart of the same job finds its
-copies and another job never does. A copy's format is memory_copy's (JSON and raw bytes: nothing
-is unpickled).
+The root is this user's alone, and which jobs' folders are alive is decided by a lock
+(memory_root.py). `<job>` is `<location>-<run>`: digests of the durable checkpoint location and of
+the run's identity (made at the run's first start, kept in its run folder), so a restart of the same
+run finds its copies, and neither another job nor a new run started at the same place ever does.
+Each copy also names its lineage (the attempt that wrote it, the step that attempt resumed from):
+a resume takes every rank's copy of a step from one lineage, never a mix.
+
+A copy's format is memory_copy's (JSON and raw bytes: nothing is unpickled), and a copy is used
+only once sealed (its sha256 written beside it) and checked against that.
 
 Saving blocks only for the copy of the state into the slot (page-locked on a GPU: the
 device-to-host copy); sealing (sha256) and the peer copy run on a thread of their own, on a gloo
 group of their own, so they never interleave with the loop's collectives. Ranks of node n send to
 the same local rank of node n+1 (the last node to the first): any one node lost, its ranks' state
-is on the next one.
+is on the next one. A copy that cannot be made (the tmpfs full for a moment, a folder removed) is
+one warning and the loss of that copy, on both sides of a peer exchange: the two sides tell each
+other first whether they can send and take it, so neither waits on the other.
 
 Resume (`find`, collective): every rank lists the copies on its node that are newer than the
-durable tier's step; the newest step that every rank's state has a valid copy of wins, each rank
-taking its own node's copy first, else the holder's over the network. A copy that is not usable
-is named once and the next one (or the durable tier) is used.
+durable tier's step; the newest step that every rank's state has a valid copy of in one lineage
+wins, each rank taking its own node's copy first, else the holder's over the network. A copy that
+is not usable is named once and the next one (or the durable tier) is used.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,22 +46,19 @@ import torch
 import torch.distributed as tdist
 
 from ..dist import DistContext
-from ..dist.collectives import all_gather_object, all_true
+from ..dist.collectives import all_gather_object, all_true, broadcast_object
 from ..errors import UserError
 from . import memory_copy as mc
+from . import memory_root as mr
+from .memory_root import ENV_DIR, root_dir
 
-ENV_DIR = "DDP_KIT_MEM_DIR"
-DEFAULT_ROOT = "/dev/shm/ddp_kit"
 COPIES = 2  # per rank and kind: the one being written and the last complete one
+__all__ = ["ENV_DIR", "MemFound", "MemoryTier", "job_key", "root_dir"]
 
 
-def root_dir() -> Path:
-    return Path(os.environ.get(ENV_DIR) or DEFAULT_ROOT)
-
-
-def job_key(location: str) -> str:
-    """The memory tier's name for the job whose durable checkpoints live at `location`."""
-    return hashlib.sha256(location.encode()).hexdigest()[:16]
+def job_key(location: str, run: str) -> str:
+    """The memory tier's name for run `run` of the job whose durable checkpoints live at `location`."""
+    return f"{hashlib.sha256(location.encode()).hexdigest()[:16]}-{hashlib.sha256(run.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -66,55 +69,47 @@ class MemFound:
     tier: str  # "memory": every rank's own node held its copy; "peer": some came from another node
 
 
+class CopyLost(Exception):
+    """One copy could not be made or taken (its message says why): a warning, and the next copy is tried."""
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
 
 
-def _node_id(root: Path) -> str:
-    path = root / "node_id"
+def _room(folder: Path) -> int:
+    """Bytes this process can still put in `folder`'s tmpfs: its free space, and, in a container with a
+    memory limit (cgroup v2), what the limit leaves: tmpfs pages count against it, and statvfs does not
+    show that (a pod's memory volume without a sizeLimit reports the node's memory)."""
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
     try:
-        with open(path, "x") as f:
-            f.write(uuid.uuid4().hex)
-    except FileExistsError:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            free = min(free, max(int(limit) - used, 0))
+    except (OSError, ValueError):
         pass
-    return path.read_text().strip()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_abandoned(root: Path, keep: str) -> None:
-    """Other jobs' folders on this node that no live process owns: a job that ended without a clean end."""
-    for folder in root.iterdir():
-        if folder.name == keep or not folder.is_dir():
-            continue
-        owners = [p for p in folder.glob("owner.*") if p.name[6:].isdigit()]
-        if not any(_alive(int(p.name[6:])) for p in owners):
-            shutil.rmtree(folder, ignore_errors=True)
+    return free
 
 
 def _mapped(path: Path, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over the file at `path`, `nbytes` long, shared with the file (its pages are the
-    tmpfs's: allocated here, so that a full tmpfs fails now, in one line, not with SIGBUS later)."""
-    if nbytes == 0:
-        path.write_bytes(b"")
-        return torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """A uint8 tensor over a new file at `path`, `nbytes` long, shared with the file (its pages are the
+    tmpfs's: allocated here, so that a full tmpfs fails now, as CopyLost, not with SIGBUS later).
+    The file is created exclusively and never through a link."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
+        if nbytes:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
-        raise UserError(f"the memory tier cannot hold {_mb(nbytes)} more in {path.parent.parent}: {exc.strerror}",
-                        f"free memory there, point {ENV_DIR} at a larger tmpfs, or pass mem_ckpt_every=0") from None
+        path.unlink(missing_ok=True)
+        raise CopyLost(f"the tmpfs cannot hold {_mb(nbytes)} more ({exc.strerror})") from None
     finally:
         os.close(fd)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
@@ -124,19 +119,26 @@ class _Slot:
     def __init__(self, folder: Path):
         self.folder, self.pinned = folder, False
         self.buf: torch.Tensor | None = None
-        folder.mkdir(parents=True, exist_ok=True)
 
     def open(self, nbytes: int, pin: bool) -> torch.Tensor:
         """Unmark the copy (no manifest: not usable while written) and map its data file at `nbytes`."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / mc.MANIFEST).unlink(missing_ok=True)
-        if self.buf is None or self.buf.numel() != nbytes:
-            self.release()
-            (self.folder / mc.DATA).unlink(missing_ok=True)
-            self.buf = _mapped(self.folder / mc.DATA, nbytes)
-            if pin and nbytes:  # GPU only: the device-to-host copy then runs at full speed, asynchronously
-                from .staging import _cudart
-                self.pinned = int(_cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0)) == 0
+        try:
+            os.mkdir(self.folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise CopyLost(f"cannot make {self.folder.name} ({exc.strerror})") from None
+        try:
+            (self.folder / mc.MANIFEST).unlink(missing_ok=True)
+            if self.buf is not None and (self.buf.numel() != nbytes or not (self.folder / mc.DATA).exists()):
+                self.release()  # another size, or the file was removed under the mapping: map a new one
+            if self.buf is None:
+                self.buf = _mapped(self.folder / mc.DATA, nbytes)
+                if pin and nbytes:  # GPU only: the device-to-host copy then runs at full speed, asynchronously
+                    from .staging import _cudart
+                    self.pinned = int(_cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0)) == 0
+        except OSError as exc:
+            raise CopyLost(f"cannot write {self.folder.name} ({exc.strerror})") from None
         assert self.buf is not None
         return self.buf
 
@@ -153,24 +155,31 @@ def _wait_all(works: list[Any]) -> None:
 
 
 class MemoryTier:
-    """One rank's memory tier for one job. Made at a point every rank reaches (resume, or the first
-    memory save): it makes its own gloo group when the job spans nodes."""
+    """One rank's memory tier for one run of a job. Made at a point every rank reaches (resume, or the
+    first memory save): it agrees on this attempt's lineage, and makes its own gloo group when the job
+    spans nodes."""
 
-    def __init__(self, ctx: DistContext, location: str, root: Path | None = None):
-        self.ctx = ctx
+    def __init__(self, ctx: DistContext, location: str, run: str, root: Path | None = None):
+        self.ctx, self.run = ctx, run
         self.root = root or root_dir()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.node = _node_id(self.root)
-            self.key = job_key(location)
+            mr.make_private(self.root)
+            self.node = mr.node_id(self.root)
+            self.key = job_key(location, run)
             self.dir = self.root / self.key
-            self.dir.mkdir(exist_ok=True)
-            (self.dir / f"owner.{os.getpid()}").touch()
+            self._alive = mr.hold(self.dir)
             if ctx.local_rank == 0:
-                _remove_abandoned(self.root, self.key)
+                mr.remove_abandoned(self.root, self.key)
+        except mr.NotPrivate as exc:
+            raise UserError(f"the memory tier's folder {self.root} is not yours alone: {exc}",
+                            f"remove it, point {ENV_DIR} at a folder of your own (made 0700), or pass mem_ckpt_every=0",
+                            local=True) from None
         except OSError as exc:
             raise UserError(f"the memory tier cannot use {self.root}: {exc}",
-                            f"point {ENV_DIR} at a writable tmpfs on every node, or pass mem_ckpt_every=0") from None
+                            f"point {ENV_DIR} at a writable tmpfs on every node, or pass mem_ckpt_every=0",
+                            local=True) from None
+        # This attempt's lineage: copies it writes never pair with another attempt's copies of the same step.
+        self.lineage = {"attempt": broadcast_object(ctx, uuid.uuid4().hex if ctx.is_main else None), "from": None}
         env = ctx.env
         lw = max(env.local_world_size, 1)
         spans = env.num_nodes > 1 and ctx.world_size == lw * env.num_nodes  # torchrun's layout: nodes of equal size
@@ -184,10 +193,16 @@ class MemoryTier:
         self.peer_last = _newest(self.peer) if self.peer else None
         self._thread: threading.Thread | None = None
         self.copying: threading.Event | None = None  # set once the last save's deferred copy is done
-        self._written: threading.Event | None = None  # set once the last save's copy has its manifest
-        self.error: BaseException | None = None
+        self._written: threading.Event | None = None  # set once the last save's copy is sealed
+        self.error: BaseException | None = None  # the peer exchange's network failed: no more peer copies
+        self.lost: list[str] = []  # copies lost since the last save (said once, at the next save)
+        self._failing = False  # the last copy was lost and said: a run of losses is said once
         self.sized = False
         self.blocking_s: list[float] = []
+
+    def continues_from(self, step: int | None) -> None:
+        """The step this attempt resumed from (any tier), recorded in each copy's lineage."""
+        self.lineage = {**self.lineage, "from": step}
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -199,8 +214,8 @@ class MemoryTier:
         The loop waits for the copy of what may change before the next optimizer step (buffers, RNG,
         any tensor on a GPU); host tensors for which `later(t)` holds (parameters and optimizer state:
         only optimizer.step writes them) are copied by the thread while the next forward and backward
-        run, and `wait_copy` (an optimizer pre-step hook) holds the step until they are."""
-        import time
+        run, and `wait_copy` (an optimizer pre-step hook) holds the step until they are. A copy that
+        cannot be made is a warning (once, until one succeeds again): the previous copy still stands."""
         self.wait()
         try:
             tree, tensors, nbytes = mc.plan(state)
@@ -210,23 +225,37 @@ class MemoryTier:
         if not self.sized:
             self._check_room(nbytes, say)
         started = time.monotonic()
-        slot = self.own[0 if self.last is None else 1 - self.last]
+        mr.renew(self._alive)
+        slot: _Slot | None = self.own[0 if self.last is None else 1 - self.last]
+        assert slot is not None
         cuda = any(t.device.type == "cuda" for t in tensors)
-        buf = slot.open(nbytes, pin=cuda)
         entries = mc.table(tensors)
         defer = [later is not None and not cuda and later(t) for t in tensors]
-        mc.fill(buf, [t for t, d in zip(tensors, defer) if not d], [e for e, d in zip(entries, defer) if not d],
-                non_blocking=cuda and slot.pinned)
-        if cuda:
-            torch.cuda.current_stream(self.ctx.device).synchronize()
-        deferred = ([t for t, d in zip(tensors, defer) if d], [e for e, d in zip(entries, defer) if d])
-        manifest = {"format": mc.FORMAT, "step": step, "rank": self.ctx.rank, "world_size": self.ctx.world_size,
-                    "node": self.node, "node_rank": self.ctx.env.node_rank, "nbytes": nbytes, "tensors": entries,
-                    "tree": tree, "meta": meta, "sha256": None}
-        self.last = self.own.index(slot)
+        deferred: tuple[list[torch.Tensor], list[list[Any]]] = ([], [])
+        manifest: dict[str, Any] | None = None
+        try:
+            held = slot.buf.numel() if slot.buf is not None else 0
+            if nbytes - held > _room(self.dir):
+                raise CopyLost(f"the tmpfs has less than {_mb(nbytes - held)} free")
+            buf = slot.open(nbytes, pin=cuda)
+            mc.fill(buf, [t for t, d in zip(tensors, defer) if not d], [e for e, d in zip(entries, defer) if not d],
+                    non_blocking=cuda and slot.pinned)
+            if cuda:
+                torch.cuda.current_stream(self.ctx.device).synchronize()
+            deferred = ([t for t, d in zip(tensors, defer) if d], [e for e, d in zip(entries, defer) if d])
+            manifest = {"format": mc.FORMAT, "step": step, "rank": self.ctx.rank, "world_size": self.ctx.world_size,
+                        "node": self.node, "node_rank": self.ctx.env.node_rank, "run": self.run,
+                        "lineage": self.lineage, "nbytes": nbytes, "tensors": entries, "tree": tree, "meta": meta,
+                        "sha256": None}
+            self.last = self.own.index(slot)
+        except CopyLost as exc:
+            self.lost.append(f"its copy of step {step} ({exc})")
+            slot = None
         self.copying = threading.Event()
         self._written = threading.Event()
-        self._thread = threading.Thread(target=self._finish, args=(slot, manifest, deferred, self.copying, self._written),
+        # The thread runs even without a copy of its own: the partner node's exchange waits for this side's word.
+        self._thread = threading.Thread(target=self._finish, args=(step, slot, manifest, deferred, self.copying,
+                                                                   self._written),
                                         name=f"ddp_kit-mem-{step}", daemon=True)
         self._thread.start()
         self.blocking_s.append(time.monotonic() - started)
@@ -235,21 +264,20 @@ class MemoryTier:
         """Hold the caller (the optimizer step) until the last save's copy is whole; the wait counts as blocking."""
         copying = self.copying
         if copying is not None and not copying.is_set():
-            import time
             started = time.monotonic()
             copying.wait()
             self.blocking_s[-1] += time.monotonic() - started
         self.copying = None
 
     def _check_room(self, nbytes: int, say: Callable[[str], None]) -> None:
-        """Once: print what the tier holds per node, and refuse (every rank together) when it does not fit."""
+        """Once: print what the tier holds per node, and refuse (every rank together) when it cannot fit
+        even empty. Each later save checks again that its own copy fits (a lost copy, not a stop)."""
         self.sized = True
         lw = max(self.ctx.env.local_world_size, 1)
         kinds = 2 if self.partner else 1
         need = COPIES * kinds * nbytes * lw
         held = sum(f.stat().st_size for f in self.dir.glob("*/" + mc.DATA))
-        st = os.statvfs(self.dir)
-        free = st.f_bavail * st.f_frsize + held
+        free = _room(self.dir) + held
         fits = all_true(self.ctx, need <= free)
         if self.ctx.env.num_nodes > 1 and self.partner is None and self.ctx.world_size > 1:
             say(f"ddp_kit: warning: memory tier: {self.ctx.world_size} ranks on {self.ctx.env.num_nodes} nodes are not nodes of "
@@ -261,52 +289,87 @@ class MemoryTier:
                             f"free memory there, point {ENV_DIR} at a larger tmpfs, or pass mem_ckpt_every=0",
                             verdict=True)
 
-    def _finish(self, slot: _Slot, manifest: dict[str, Any], deferred: tuple[list[torch.Tensor], list[list[Any]]],
-                copying: threading.Event, written: threading.Event) -> None:
+    def _finish(self, step: int, slot: _Slot | None, manifest: dict[str, Any] | None,
+                deferred: tuple[list[torch.Tensor], list[list[Any]]], copying: threading.Event,
+                written: threading.Event) -> None:
+        sealed = None
         try:
-            assert slot.buf is not None
-            try:
-                mc.fill(slot.buf, *deferred)
-            finally:
-                copying.set()
-            try:
-                mc.write_manifest(slot.folder, manifest)  # complete, not yet sealed
-            finally:
-                written.set()
-            sealed = {**manifest, "sha256": mc.checksum(slot.buf)}
-            mc.write_manifest(slot.folder, sealed)
+            if slot is not None and manifest is not None:
+                try:
+                    assert slot.buf is not None
+                    try:
+                        mc.fill(slot.buf, *deferred)
+                    finally:
+                        copying.set()
+                    sealed = {**manifest, "sha256": mc.checksum(slot.buf)}
+                    mc.write_manifest(slot.folder, sealed)  # the copy exists from here, whole and sealed
+                except OSError as exc:
+                    self.lost.append(f"its copy of step {step} ({exc.strerror or exc})")
+                    slot.release()  # its folder or file may be gone: the next save maps a new one
+                    sealed = None
+            copying.set()
+            written.set()
             if self.partner is not None and self.error is None:
-                self._exchange(slot.buf, sealed)
-        except BaseException as exc:  # reported at the next save; the loop's own collectives see a lost peer first
+                self._exchange(slot.buf if sealed is not None and slot is not None else None, sealed)
+        except BaseException as exc:  # the network: reported at the next save; the loop's collectives see a lost peer first
             self.error = exc
+        finally:
+            copying.set()
+            written.set()
 
-    def _exchange(self, buf: torch.Tensor, manifest: dict[str, Any]) -> None:
-        """Send this copy to the partner node's rank, receive the previous node's rank's copy."""
+    def _exchange(self, buf: torch.Tensor | None, manifest: dict[str, Any] | None) -> None:
+        """Send this copy to the partner node's rank, receive the previous node's rank's copy. Each side
+        says first whether it has a copy to send and whether it can take the one coming, so a side that
+        cannot (a full tmpfs) costs that copy only, and neither waits for bytes that never come."""
         assert self.partner is not None
         to, frm = self.partner
-        blob = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8)
-        head = torch.tensor([buf.numel(), blob.numel()], dtype=torch.int64)
+        blob = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8) if manifest else None
+        head = torch.tensor([buf.numel() if buf is not None and blob is not None else -1,
+                             blob.numel() if blob is not None else 0], dtype=torch.int64)
         got = torch.empty(2, dtype=torch.int64)
         _wait_all([tdist.isend(head, to, group=self.group), tdist.irecv(got, frm, group=self.group)])
         nbytes, mlen = (int(x) for x in got.tolist())
-        slot = self.peer[0 if self.peer_last is None else 1 - self.peer_last]
-        inbuf = slot.open(nbytes, pin=False)
+        slot, inbuf = self.peer[0 if self.peer_last is None else 1 - self.peer_last], None
+        if nbytes >= 0:
+            try:
+                if nbytes - (slot.buf.numel() if slot.buf is not None else 0) > _room(self.dir):
+                    raise CopyLost(f"the tmpfs has less than {_mb(nbytes)} free")
+                inbuf = slot.open(nbytes, pin=False)
+            except CopyLost as exc:
+                self.lost.append(f"the peer copy from rank {frm} ({exc})")
+        can, will = torch.tensor([int(inbuf is not None)], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+        _wait_all([tdist.isend(can, frm, group=self.group), tdist.irecv(will, to, group=self.group)])
+        works = []
+        if blob is not None and buf is not None and int(will.item()):
+            works.append(tdist.isend(blob, to, group=self.group))
+            if buf.numel():
+                works.append(tdist.isend(buf, to, group=self.group))
         inblob = torch.empty(mlen, dtype=torch.uint8)
-        works = [tdist.isend(blob, to, group=self.group), tdist.irecv(inblob, frm, group=self.group)]
-        if buf.numel():
-            works.append(tdist.isend(buf, to, group=self.group))
-        if nbytes:
-            works.append(tdist.irecv(inbuf, frm, group=self.group))
+        if inbuf is not None:
+            works.append(tdist.irecv(inblob, frm, group=self.group))
+            if nbytes:
+                works.append(tdist.irecv(inbuf, frm, group=self.group))
         _wait_all(works)
-        received = json.loads(bytes(inblob.numpy()).decode())
-        if received.get("rank") != frm or mc.checksum(inbuf) != received.get("sha256"):
-            raise RuntimeError(f"the peer copy from rank {frm} arrived damaged")
-        mc.write_manifest(slot.folder, received)
+        if inbuf is None:
+            return
+        try:
+            received = json.loads(bytes(inblob.numpy()).decode())
+        except ValueError:
+            received = {}
+        if not isinstance(received, dict) or received.get("rank") != frm or mc.checksum(inbuf) != received.get("sha256"):
+            self.lost.append(f"the peer copy from rank {frm} (it arrived damaged)")
+            return
+        try:
+            mc.write_manifest(slot.folder, received)
+        except OSError as exc:
+            self.lost.append(f"the peer copy from rank {frm} ({exc.strerror or exc})")
+            slot.release()
+            return
         self.peer_last = self.peer.index(slot)
 
     def wait(self) -> None:
-        """The previous save's seal and peer copy are done; a failed peer copy is said once, and
-        stops further ones on this rank (its partner is gone, or the network is)."""
+        """The previous save's seal and peer copy are done. A lost copy is said at once, and a run of
+        them once; a failed network stops further peer copies from this rank (its partner is gone)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -316,13 +379,18 @@ class MemoryTier:
                   f"({str(self.error).splitlines()[0][:160] if str(self.error) else type(self.error).__name__}); "
                   f"no more peer copies from this rank", flush=True)
             self.partner = None
+        if self.lost and not self._failing:
+            print(f"ddp_kit: warning: rank {self.ctx.rank}: the memory tier lost {'; '.join(self.lost)}; the copies "
+                  f"before it and the durable tier still stand (said once until a copy succeeds again)", flush=True)
+        self._failing, self.lost = bool(self.lost), []
 
     # ---- resume -----------------------------------------------------------------------------------
 
     def _scan(self, after: int) -> list[dict[str, Any]]:
         """This rank's share of the node's copies newer than `after` (the node's local ranks split them)."""
         lw = max(self.ctx.env.local_world_size, 1)
-        folders = sorted(p for p in self.dir.iterdir() if p.is_dir() and p.name.startswith(("own-r", "peer-r")))
+        folders = sorted(p for p in self.dir.iterdir() if p.is_dir() and not p.is_symlink()
+                         and p.name.startswith(("own-r", "peer-r")))
         out = []
         for i, folder in enumerate(folders):
             if i % lw != self.ctx.local_rank % lw:
@@ -337,18 +405,22 @@ class MemoryTier:
                 named = int(folder.name.split("-")[1][1:])
                 if m["rank"] != named:
                     raise mc.Unusable(f"its manifest is rank {m['rank']}'s")
-                if entry["kind"] == "peer" and m.get("sha256") is None:
-                    raise mc.Unusable("a peer copy without its checksum")
+                if m.get("run") != self.run:
+                    raise mc.Unusable("it belongs to another run")
+                lineage = m.get("lineage")
+                if not isinstance(lineage, dict) or not isinstance(lineage.get("attempt"), str):
+                    raise mc.Unusable("its manifest names no lineage")
             except (mc.Unusable, ValueError) as exc:
                 out.append({**entry, "why": str(exc)})
                 continue
             if m["step"] > after and m["world_size"] == self.ctx.world_size:
-                out.append({**entry, "state_rank": m["rank"], "step": m["step"]})
+                out.append({**entry, "state_rank": m["rank"], "step": m["step"], "lineage": lineage["attempt"]})
         return out
 
     def find(self, after: int | None, warn: Callable[[str], None]) -> MemFound | None:
-        """The newest step above `after` (the durable tier's) every rank's state has a usable copy of,
-        with each rank's copy read into memory for `load`; None: resume from the durable tier."""
+        """The newest step above `after` (the durable tier's) every rank's state has a usable copy of, all
+        of one lineage, with each rank's copy read into memory for `load`; None: resume from the durable
+        tier. Copies newer than the step chosen (of any tier) are a branch no attempt continues: forgotten."""
         self.wait()
         floor = -1 if after is None else after
         nodes = all_gather_object(self.ctx, self.node)
@@ -360,20 +432,34 @@ class MemoryTier:
         while True:
             choice = _choose(usable, nodes, self.ctx.world_size)
             if choice is None:
+                self._forget_after(floor)
                 return None
             step, sources = choice
             bad = self._verify(sources, nodes)
+            if not any(all_gather_object(self.ctx, bool(bad))):
+                bad = self._transfer(sources, nodes)
+                if not any(all_gather_object(self.ctx, bool(bad))):
+                    break
             for folder, why in [b for bs in all_gather_object(self.ctx, bad) for b in bs]:
                 warn(f"memory-tier copy {folder} of step {step} is not usable ({why}); the next tier is used")
                 usable = [e for e in usable if e["folder"] != folder]
-            if any(all_gather_object(self.ctx, bool(bad))):
+        self._forget_after(step)
+        remote = sorted({s["node_rank"] for r, s in enumerate(sources) if s["node"] != nodes[r]})
+        peers = sorted({s["node_rank"] for s in sources if s["kind"] == "peer"} | set(remote))
+        where = (f"the peer copy on node {', '.join(map(str, peers))}" if peers
+                 else "the memory tier (each node's own copy)")
+        return MemFound(f"{where} of step {step}", step, "peer" if peers else "memory")
+
+    def _forget_after(self, step: int) -> None:
+        """Drop this rank's slots (own, and the peer copies it receives) that hold a step after `step`."""
+        for slot in self.own + self.peer:
+            try:
+                newer = int(json.loads(mr.read_private(slot.folder / mc.MANIFEST))["step"]) > step
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
-            self._transfer(sources, nodes)
-            remote = sorted({s["node_rank"] for r, s in enumerate(sources) if s["node"] != nodes[r]})
-            peers = sorted({s["node_rank"] for s in sources if s["kind"] == "peer"} | set(remote))
-            where = (f"the peer copy on node {', '.join(map(str, peers))}" if peers
-                     else "the memory tier (each node's own copy)")
-            return MemFound(f"{where} of step {step}", step, "peer" if peers else "memory")
+            if newer:
+                (slot.folder / mc.MANIFEST).unlink(missing_ok=True)
+        self.last, self.peer_last = _newest(self.own), (_newest(self.peer) if self.peer else None)
 
     def _verify(self, sources: list[dict[str, Any]], nodes: list[str]) -> list[tuple[str, str]]:
         """Read and check the chosen copies this rank reads: its own (on its node), and the ones it holds
@@ -395,8 +481,10 @@ class MemoryTier:
                 bad.append((str(folder), str(exc)))
         return bad
 
-    def _transfer(self, sources: list[dict[str, Any]], nodes: list[str]) -> None:
-        """Each copy a rank needs from another node, from its holder, one pair at a time."""
+    def _transfer(self, sources: list[dict[str, Any]], nodes: list[str]) -> list[tuple[str, str]]:
+        """Each copy a rank needs from another node, from its holder, one pair at a time; the copies that
+        arrived damaged (their folder, why), on the rank that received them."""
+        bad = []
         for r, s in enumerate(sources):
             if s["node"] == nodes[r]:
                 continue
@@ -416,11 +504,15 @@ class MemoryTier:
                 buf = torch.empty(int(head[0]), dtype=torch.uint8)
                 if buf.numel():
                     tdist.recv(buf, holder, group=self.group)
-                m = json.loads(bytes(blob.numpy()).decode())
-                if mc.checksum(buf) != m.get("sha256"):
-                    raise UserError(f"the memory-tier copy of rank {r} arrived damaged from rank {holder}",
-                                    "resume again (a restart falls back to the durable tier if it recurs)")
+                try:
+                    m = json.loads(bytes(blob.numpy()).decode())
+                except ValueError:
+                    m = {}
+                if not isinstance(m, dict) or mc.checksum(buf) != m.get("sha256"):
+                    bad.append((s["folder"], f"it arrived damaged from rank {holder}"))
+                    continue
                 self._held[r] = (m, buf)
+        return bad
 
     def load(self, found: MemFound) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
         """(shared state, this rank's own state, meta) of the copy `find` chose, as the durable backends give them."""
@@ -443,40 +535,30 @@ class MemoryTier:
         the peer copies it receives."""
         self.wait()
         self.last = self.peer_last = None
-        mine = [f"own-r{self.ctx.rank}-"] + ([f"peer-r{self.partner[1]}-"] if self.partner else [])
         for slot in self.own + self.peer:
             slot.release()
-        for folder in self.dir.iterdir():
-            if folder.is_dir() and folder.name.startswith(tuple(mine)):
-                shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(slot.folder, ignore_errors=True)
 
     def close(self, clean: bool) -> None:
-        """At the end: a clean end removes this rank's copies (its own, and the peer copies it holds); a
-        failed one leaves them for the restart, with no wait for a peer copy a lost partner never answers."""
+        """At the end: a clean end removes this rank's copies (its own, and the peer copies it holds), and
+        the last process of the job on the node its folder; a failed one leaves them for the restart, with
+        no wait for a peer copy a lost partner never answers."""
         if clean:
             self.wait()
-        elif self._written is not None:  # the last copy is whole once its manifest is there: a local write
+        elif self._written is not None:  # the last copy is whole once it is sealed: local work
             self._written.wait(timeout=30)
         for slot in self.own + self.peer:
             slot.release()
             if clean:
                 shutil.rmtree(slot.folder, ignore_errors=True)
-        (self.dir / f"owner.{os.getpid()}").unlink(missing_ok=True)
-        if clean:
-            for owner in self.dir.glob("owner.*"):  # the processes of earlier attempts, killed
-                if owner.name[6:].isdigit() and not _alive(int(owner.name[6:])):
-                    owner.unlink(missing_ok=True)
-            try:
-                self.dir.rmdir()  # the last rank of the node to leave
-            except OSError:
-                pass
+        mr.leave(self.dir, self._alive, clean)
 
 
 def _newest(slots: list[_Slot]) -> int | None:
     steps = []
     for slot in slots:
         try:
-            steps.append(int(json.loads((slot.folder / mc.MANIFEST).read_text())["step"]))
+            steps.append(int(json.loads(mr.read_private(slot.folder / mc.MANIFEST))["step"]))
         except (OSError, ValueError, KeyError, TypeError):
             steps.append(-1)
     return steps.index(max(steps)) if max(steps) >= 0 else None
@@ -488,13 +570,14 @@ def _timeout(ctx: DistContext) -> Any:
 
 
 def _choose(usable: list[dict[str, Any]], nodes: list[str], world: int) -> tuple[int, list[dict[str, Any]]] | None:
-    """The newest step with a copy of every rank's state, and for each rank the copy to take: on its
+    """The newest step with a copy of every rank's state from one lineage (the attempt that wrote it: two
+    attempts' copies of one step are two different states), and for each rank the copy to take: on its
     own node first (its own slot before a peer copy there), else the lowest holder's."""
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    by_step: dict[tuple[int, str], dict[int, list[dict[str, Any]]]] = {}
     for e in usable:
-        by_step.setdefault(e["step"], {}).setdefault(e["state_rank"], []).append(e)
-    for step in sorted(by_step, reverse=True):
-        held = by_step[step]
+        by_step.setdefault((e["step"], e.get("lineage", "")), {}).setdefault(e["state_rank"], []).append(e)
+    for step, lineage in sorted(by_step, reverse=True):
+        held = by_step[step, lineage]
         if all(r in held for r in range(world)):
             return step, [min(held[r], key=lambda e: (e["node"] != nodes[r], e["kind"] != "own", e["holder"]))
                           for r in range(world)]
