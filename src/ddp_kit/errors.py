@@ -18,6 +18,9 @@ class UserError(Exception):
     gives them a moment instead of announcing it a second time (failfast.ECHO_GRACE_S).
     """
 
+    retryable = False  # Unavailable (below): a restart may cure it
+    exit_code = 2  # EXIT_USER_ERROR; Unavailable: 1
+
     def __init__(self, message: str, hint: str = "", rank: int | None = None, local: bool = False,
                  verdict: bool = False):
         super().__init__(message)
@@ -44,6 +47,16 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+
+
+class Unavailable(UserError):
+    """Something outside the program failed in a way a restart may cure: a storage endpoint that refuses
+    connections, times out or throttles (503 SlowDown) when an attempt starts or resumes. Said like a
+    UserError (one line with a hint, once), but the attempt exits 1, retryable (verdict infrastructure):
+    the engine restarts it instead of failing the job."""
+
+    retryable = True
+    exit_code = 1
 
 
 def report_user_error(err: UserError, rank: int) -> None:

@@ -1,9 +1,11 @@
 """The verdict of a failure, from the exception and what fail-fast posted (reliability/verdicts.py),
-and the repeat rule. Real exceptions; out of memory as torch raises it on a GPU is its class name,
-which a CPU cannot raise, so MemoryError (the host's) stands for it here."""
+and the repeat rule. Real exceptions; out of memory on a GPU is torch.OutOfMemoryError, built here as
+torch builds it (a host's MemoryError is infrastructure: tests/reliability/test_verdicts_cause.py)."""
 from __future__ import annotations
 
 import errno
+
+import torch
 
 from ddp_kit.errors import UserError
 from ddp_kit.reliability.verdicts import deterministic, of_failure, of_stop, repeats
@@ -20,7 +22,7 @@ def test_each_failure_gets_its_class_and_retry():
     cases = [
         (1, _raised(RuntimeError("boom")), "program_error", True),
         (2, UserError("bad lr", "pass a positive lr"), "user_error", False),
-        (1, _raised(MemoryError("out of memory")), "out_of_memory", True),
+        (1, _raised(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")), "out_of_memory", True),
         (1, _raised(OSError(errno.ENOSPC, "No space left on device")), "infrastructure", True),
         (3, _raised(RuntimeError("echo of the hang")), "hang", True),
     ]

@@ -15,6 +15,7 @@ cannot say. Neither it nor any credential is ever printed.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 from urllib.parse import urlsplit
 
-from ..errors import UserError
+from ..errors import Unavailable, UserError
 from .backend import scheme_of
 from .storage import Storage
 
@@ -214,6 +215,57 @@ def refusal(url: str, exc: BaseException, doing: str) -> UserError:
         return UserError(f"checkpoint location {url!r} cannot be {doing}: access denied ({why})",
                          "use credentials (or a bucket policy) that may read, write, list and delete objects under "
                          "this prefix; a read-only bucket cannot hold checkpoints")
+    if unreachable(exc):  # a restart may cure it: retryable (exit 1), not a user error
+        return Unavailable(f"checkpoint location {url!r} cannot be {doing}: {endpoint_of(url)} did not answer ({why})",
+                           "a restart retries it (the job exits 1); if it persists, check that endpoint, the network "
+                           "and the store's status")
     return UserError(f"checkpoint location {url!r} cannot be {doing} ({why})",
                      f"check the URL, the endpoint (AWS_ENDPOINT_URL, or endpoint_url in {STORAGE_OPTIONS_ENV}), "
                      f"the network and the credentials")
+
+
+# Errors of a store that is down, unreachable or throttling: by class name anywhere in the chain (the
+# clients are optional), errno, or the service's own code (s3fs turns 503 SlowDown into OSError EBUSY).
+_UNREACHABLE_CLASSES = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                        "ClientConnectorError", "ServerDisconnectedError", "ServerTimeoutError", "ServiceUnavailable",
+                        "TooManyRequests", "ServiceRequestError", "ServiceResponseError", "TransportError")
+_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
+                       errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.EBUSY, errno.EAGAIN}
+_UNREACHABLE_WORDS = ("SlowDown", "Service Unavailable", "ServiceUnavailable", "Throttl", "RequestTimeout",
+                      "reduce your request rate", "Connection refused", "timed out", "Timeout")
+
+
+def unreachable(exc: BaseException | None) -> bool:
+    """Whether `exc` (or an error in its chain) says the store did not answer: connection refused or
+    reset, a timeout, 503 SlowDown / ServiceUnavailable, throttling. A restart may cure these."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS:
+            return True
+        if any(c.__name__ in _UNREACHABLE_CLASSES for c in type(exc).__mro__):
+            return True
+        if any(w in str(exc) for w in _UNREACHABLE_WORDS):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def endpoint_of(url: str, environ: dict[str, Any] | None = None) -> str:
+    """The host a URL's client talks to, for a message: the endpoint set in the environment or in
+    DDP_KIT_STORAGE_OPTIONS, else the scheme's own service (credentials are never part of it)."""
+    env = dict(os.environ) if environ is None else environ
+    scheme = scheme_of(url)
+    try:
+        options = storage_options(env)
+    except UserError:
+        options = {}
+    set_ = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    if not set_ and scheme == "s3":
+        set_ = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if set_:
+        parts = urlsplit(str(set_))
+        return f"endpoint {parts.hostname or set_}" + (f":{parts.port}" if parts.port else "")
+    default = {"s3": "Amazon S3", "gs": "Google Cloud Storage", "gcs": "Google Cloud Storage"}.get(scheme)
+    return f"{default} (bucket {urlsplit(url).netloc})" if default else f"the store of {url}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as tdist
 
-from ..errors import UserError
+from ..errors import Unavailable, UserError
 
 if TYPE_CHECKING:
     from .group import DistContext
@@ -107,11 +107,11 @@ def rank0_verdict(ctx: DistContext, check) -> Any:
             out = ("ok", check())
         except UserError as err:
             err.at(ctx.rank)
-            out = ("error", (err.message, err.hint, err.rank, err.host))
+            out = ("error", (err.message, err.hint, err.rank, err.host, err.retryable))
     kind, value = broadcast_object(ctx, out)
     if kind == "error":
-        message, hint, rank, host = value
-        verdict = UserError(message, hint, rank=rank, verdict=True)
+        message, hint, rank, host, retryable = value
+        verdict = (Unavailable if retryable else UserError)(message, hint, rank=rank, verdict=True)
         verdict.host = host
         raise verdict
     return value

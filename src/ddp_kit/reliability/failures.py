@@ -3,7 +3,8 @@
 One ladder serves the reference job and a user's own script (through `ddp_kit.init()`):
 
 1. A `UserError`: one line, printed once for the job (by the rank whose failure stands, or by
-   each rank with a local problem of its own), exit 2.
+   each rank with a local problem of its own), exit 2; exit 1 for an `errors.Unavailable` (a storage
+   endpoint that refuses, times out or throttles: a restart may cure it).
 2. The hang watchdog already declared a hang: this error is its echo; exit 3.
 3. Another rank posted its failure first: this error (a broken connection) follows from it; the
    reporter rank says which rank failed; exit 1.
@@ -55,7 +56,7 @@ def handle(err: BaseException, ctx: DistContext, step: int, phase: str, hang_dir
         if stands is None or stands["rank"] == ctx.rank or (err.local and not same_error(stands, err)):
             print(err.line(), file=sys.stderr, flush=True)
         linger(ctx)
-        return EXIT_USER_ERROR
+        return err.exit_code  # 2; 1 for a problem a restart may cure (errors.Unavailable: storage not answering)
     if hang_declared:  # the hang report is out; this error is its echo
         time.sleep(30)  # the watchdog ends the process with the hang exit code
         return EXIT_HANG

@@ -21,16 +21,26 @@ templates map to "do not retry" (SLURM: no requeue; TrainJob/PyTorchJob/Volcano:
 from __future__ import annotations
 
 import errno
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import EXIT_USER_ERROR, UserError
+from ..errors import EXIT_USER_ERROR, Unavailable, UserError
 
 EXIT_FAILED, EXIT_HANG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 75, 130
 REPEATABLE = ("program_error", "out_of_memory")  # the same one twice at one step will not heal
 _INFRA_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 _INFRA_WORDS = ("disk full", "No space left on device", "Read-only file system", "Input/output error")
-_OOM_WORDS = ("OutOfMemoryError", "MemoryError", "out of memory")
+_OOM_WORDS = ("OutOfMemoryError", "out of memory")  # the device's (torch.OutOfMemoryError); the host's: below
+_HOST_MEMORY_WORDS = ("DefaultCPUAllocator: can't allocate memory", "Cannot allocate memory")
+_GPU_WORDS = ("ECC error", "uncorrectable NVLink", "fallen off the bus", "ECC_UNCORRECTABLE", "ECCUncorrectable",
+              "GPU is lost", "NVLink error")
+_XID = re.compile(r"\bXid\b")
+# What a rank posts when a collective broke under it (reliability/peer_loss.COMM_ERRORS, and torch's
+# distributed error classes): read from the posted text, since another rank's exception is only its text.
+_COMM_WORDS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Timed out", "timed out",
+               "remote process exited", "NCCL error", "Broken pipe", "Socket Timeout", "DistNetworkError",
+               "DistBackendError", "Connection refused")
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,13 @@ def of_stop(code: int, step: int) -> Verdict:
 
 def of_failure(code: int, err: BaseException, posted: dict[str, Any] | None, rank: int, host: str, step: int) -> Verdict:
     """The verdict of a failed attempt, as this rank sees it. `posted`: the failure that stands for the
-    job (fail-fast's record: rank, host, step, error), when another rank's came first."""
+    job (fail-fast's record: rank, host, step, error), when another rank's came first. Classified by
+    cause, whoever saw it first: a communication error posted by another rank is still a lost peer."""
     where = posted if posted and posted.get("rank") != rank else None
     text = str(where["error"]) if where else f"{type(err).__name__}: {_first_line(err)}"
     at = dict(rank=int(where["rank"]), host=str(where.get("host")), step=int(where.get("step") or 0)) if where else \
         dict(rank=rank, host=host, step=step)
+    on = f"rank {at['rank']} on {at['host']}"
     if code == EXIT_HANG:
         return Verdict("hang", True, f"no progress at step {step}: a hang (stacks in run_dir/hang/)",
                        "read the hang report above; a restart resumes from the last checkpoint", **at, error=text)
@@ -74,14 +86,29 @@ def of_failure(code: int, err: BaseException, posted: dict[str, Any] | None, ran
         # A full disk stops the run with exit 2 (it will not free itself); an I/O error may pass.
         return Verdict("infrastructure", code != EXIT_USER_ERROR, text, "free space or fix the storage, then rerun",
                        **at, error=text)
+    if (where is None and isinstance(err, Unavailable)) or text.startswith(f"{Unavailable.__name__}:"):
+        return Verdict("infrastructure", True, f"{text} (seen by {on})",
+                       "a restart retries it; if it persists, check the storage endpoint and the network", **at,
+                       error=text)
     if code == EXIT_USER_ERROR or text.startswith(f"{UserError.__name__}:"):
         return Verdict("user_error", False, text, "fix the configuration or input the error names", **at, error=text)
+    if any(w in text for w in _GPU_WORDS) or _XID.search(text):
+        return Verdict("infrastructure", True, f"a GPU hardware error on {at['host']} (rank {at['rank']}): {text}",
+                       f"a restart retries it; if it repeats on {at['host']}, drain that node (nvidia-smi -q -d ECC, "
+                       f"Xid lines in its kernel log)", **at, error=text)
+    if text.startswith("MemoryError:") or any(w in text for w in _HOST_MEMORY_WORDS) or \
+            (where is None and isinstance(err, MemoryError)):
+        # Not the repeat rule's: the memory another process on the node holds comes and goes. A job that
+        # needs more than the node has fails every attempt without progress: the crash-loop limit stops it.
+        return Verdict("infrastructure", True, f"{at['host']} ran out of host memory (rank {at['rank']}): {text}",
+                       f"a restart retries it; if it repeats, see what else holds memory on {at['host']}, or use "
+                       f"less (fewer DataLoader workers, a dataset not held in memory)", **at, error=text)
     if any(w in text for w in _OOM_WORDS):
         return Verdict("out_of_memory", True, text, "lower the batch size (or use fsdp / amp / grad_accum)", **at,
                        error=text)
-    if where is None and _is_comm(err):
-        return Verdict("lost_peer", True, text, "a restart resumes; if it repeats, check the network and the nodes",
-                       **at, error=text)
+    if (where is None and _is_comm(err)) or (where is not None and any(w in text for w in _COMM_WORDS)):
+        return Verdict("lost_peer", True, f"{text} (seen first by {on})",
+                       "a restart resumes; if it repeats, check the network and the nodes", **at, error=text)
     return Verdict("program_error", True, text, "fix the exception in the script's code (traceback above)", **at,
                    error=text)
 
