@@ -11,17 +11,26 @@ each failed (or were killed) and none of them committed a checkpoint, the job st
 and exit 2, which the templates map to "do not retry". A preempted attempt (exit 75) breaks the
 run of failures, and so does any attempt that committed a checkpoint: that is progress. A plain
 rerun by hand is never refused (you are fixing something).
+
+Both refusals count only the attempts of this attempt's own launch (dist/launch_token.py, recorded
+in each start record as "launch"): a restart of the same launch (a torchrun restart, a SLURM requeue
+of the same job, the same pod or TrainJob restarted) is refused, while a new submission (a new SLURM
+job, a new torchrun, a new TrainJob) is the fix being tried: it starts, saying in one line what
+failed before. Every SLURM job and every pod has a restarter around it, so without this a fixed
+script resubmitted as a new job would be refused forever.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..dist.collectives import gather_object, rank0_verdict
+from ..dist.launch_token import launch_of
 from ..errors import EXIT_USER_ERROR, UserError
 from ..ledger import LEDGER
 from ..reliability.verdicts import REPEATABLE, Verdict, of_stop
@@ -52,14 +61,18 @@ def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
         latest = _latest(b)
         records = read(path)
         env = b.ctx.env
+        launch = launch_of(env).id
         automatic = env.restarted_by_engine or env.restart_count > 0 or env.requeue_command is not None
         limit = b.policy.max_failed_attempts
-        failed = failed_in_a_row(records, latest)
+        mine = this_launch(records, launch)  # the refusals count only this launch's own attempts
+        failed = failed_in_a_row(mine, latest)
         starts = [r for r in records if r.get("event") == "start"]
         bounds = [r for r in records if r.get("event") in ("start", "end")]
         previous = bounds[-1] if bounds and bounds[-1].get("event") == "end" else None
+        if automatic:
+            _say_new_launch(path, records, mine, previous, latest, limit)
         if automatic and previous is not None and previous.get("retryable") is False and \
-                previous.get("verdict") in REPEATABLE:
+                previous.get("verdict") in REPEATABLE and mine:
             raise _refused(path, "deterministic", f"the previous attempt of this run ended with a deterministic failure ("
                             f"{previous.get('error')}, at step {previous.get('step')} twice): not starting another",
                             f"fix it (history: {path}), then rerun")
@@ -73,6 +86,7 @@ def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
         number = len(starts) + 1
         start: dict[str, Any] = {"event": "start", "t": round(time.time(), 3), "attempt": number,
                                  "launched_t": launched_at(), "latest": latest, "restart_count": env.restart_count,
+                                 "launch": launch,
                                  "world_size": b.ctx.world_size, "engine": env.launcher, "hosts": hosts}
         if killed_before is not None and (not records or records[-1].get("event") != "end"):
             start["killed_before"] = {"step": killed_before[0], "phase": killed_before[1]}
@@ -102,6 +116,37 @@ def record_end(b: Boundary, code: int, verdict: Verdict, **extra: Any) -> None:
                                   **extra})
     except OSError:
         pass
+
+
+def this_launch(records: list[dict[str, Any]], launch: str) -> list[dict[str, Any]]:
+    """The trailing records of `launch`'s own attempts: from the first start of the last run of starts
+    that name it (a start record without a launch, written before they were recorded, names none)."""
+    first = len(records)
+    for i in range(len(records) - 1, -1, -1):
+        if records[i].get("event") != "start":
+            continue
+        if records[i].get("launch") != launch:
+            break
+        first = i
+    return records[first:]
+
+
+def _say_new_launch(path: Path, records: list[dict[str, Any]], mine: list[dict[str, Any]],
+                    previous: dict[str, Any] | None, latest: int | None, limit: int) -> None:
+    """One line when an earlier launch's failures would have refused a restart, and this is a new one."""
+    if mine or not records:
+        return
+    before = [r for r in records if r.get("event") == "start"][-1:]
+    launch = before[0].get("launch", "an earlier launch") if before else "an earlier launch"
+    if previous is not None and previous.get("retryable") is False and previous.get("verdict") in REPEATABLE:
+        what = (f"ended with a deterministic failure ({previous.get('error')}, at step {previous.get('step')}), "
+                f"which a restart of that launch would repeat")
+    elif limit and len(failed_in_a_row(records, latest)) >= limit:
+        what = f"failed {len(failed_in_a_row(records, latest))} times in a row without a new checkpoint"
+    else:
+        return
+    print(f"ddp_kit: the last attempt of this run ({launch}) {what}; this is a new submission, so it starts "
+          f"(history: {path})", file=sys.stderr, flush=True)
 
 
 def _refused(path: Path, why: str, message: str, hint: str) -> UserError:
