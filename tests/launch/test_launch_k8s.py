@@ -218,7 +218,7 @@ def test_trainjob_ignores_75_and_disruptions_and_caps_failures(capsys):
     assert policy["rules"] == [{"name": "UserErrorFailsJobSet", "action": "FailJobSet",
                                 "onJobFailureReasons": ["PodFailurePolicy"]}]
     trainer = trainjob["spec"]["trainer"]
-    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 4 and trainer["command"][-1] == "75"
+    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 4 and trainer["command"][-2:] == ["75", "0"]
     assert not any(e["name"].startswith("PET_") for e in trainer.get("env", []))  # reserved by the plugin
 
 
@@ -234,8 +234,9 @@ def test_pytorchjob_maps_75_to_a_retryable_code(layout, nproc, capsys):
         (c,) = spec["template"]["spec"]["containers"]
         assert c["name"] == "pytorch"  # the operator reads this container's exit code and port
         assert {"name": "pytorchjob-port", "containerPort": 29500} in c["ports"]
-        preempted = int(c["command"][-1])
+        preempted, offset = int(c["command"][-2]), int(c["command"][-1])
         assert preempted >= 128 + 64 and preempted <= 255  # retryable under ExitCode, and no signal's 128 + n
+        assert 128 + 64 < offset + 1 and offset + 3 <= 255  # the retryable failures 1 and 3 too
         assert (c["args"][:3] == ["python", "-m", "torch.distributed.run"]) == (layout == "torchrun")
 
 
@@ -257,7 +258,7 @@ def test_volcano_gang_and_policies(layout, capsys):
     assert {"event": "PodFailed", "action": "RestartJob"} == policies[-1]
     for task in spec["tasks"]:
         c = task["template"]["spec"]["containers"][0]
-        assert task["template"]["spec"]["restartPolicy"] == "Never" and c["command"][-1] == "75"
+        assert task["template"]["spec"]["restartPolicy"] == "Never" and c["command"][-2:] == ["75", "0"]
         if layout == "torchrun":
             assert "--nnodes=$(WORLD_SIZE)" in c["args"] and "--nproc_per_node=2" in c["args"]
 
@@ -319,7 +320,7 @@ sys.exit(1)
 def _pod(command: list[str], mark: Path, env_extra: dict | None = None) -> subprocess.Popen:
     script = (TEMPLATES / "pod.sh").read_text()
     env = {**os.environ, "DDP_KIT_PREEMPT_MARK": str(mark), **(env_extra or {})}
-    return subprocess.Popen(["sh", "-c", script, "ddp_kit-pod", "203", *command], stdout=subprocess.PIPE,
+    return subprocess.Popen(["sh", "-c", script, "ddp_kit-pod", "203", "192", *command], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
@@ -343,16 +344,19 @@ def test_pod_entrypoint_forwards_sigterm_and_maps_75(shell, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     script = (TEMPLATES / "pod.sh").read_text()
-    p = subprocess.Popen([shell, "-c", script, "ddp_kit-pod", "203", sys.executable, str(worker)],
+    p = subprocess.Popen([shell, "-c", script, "ddp_kit-pod", "203", "192", sys.executable, str(worker)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "DDP_KIT_PREEMPT_MARK": str(tmp_path / "mark")})
     _, err = _term_when_ready(p, ready=1)
     assert p.returncode == 203, err
     assert "exited 75 (preempted); exiting 203" in err
-    for code in (0, 1, 3):  # everything else passes through unchanged
-        res = subprocess.run([shell, "-c", script, "ddp_kit-pod", "203", "sh", "-c", f"exit {code}"],
+    # PyTorchJob's ExitCode policy retries only >= 128: the retryable failures 1 and 3 go up by 192 (193, 195);
+    # everything else passes through unchanged (2 is "do not retry"). Other engines (offset 0): all unchanged.
+    for offset, code, want in ((192, 0, 0), (192, 1, 193), (192, 3, 195), (192, 2, 2), (192, 137, 137),
+                               (0, 1, 1), (0, 3, 3), (0, 2, 2)):
+        res = subprocess.run([shell, "-c", script, "ddp_kit-pod", "203", str(offset), "sh", "-c", f"exit {code}"],
                              env={**os.environ, "DDP_KIT_PREEMPT_MARK": str(tmp_path / "mark")}, timeout=30)
-        assert res.returncode == code
+        assert res.returncode == want, (offset, code)
 
 
 @pytest.mark.integration

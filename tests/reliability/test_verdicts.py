@@ -150,7 +150,7 @@ def test_a_deterministic_failure_leaves_a_torchrun_pod_with_exit_2(tmp_path):
     from ddp_kit.launch.k8s import _script
 
     run = tmp_path / "r"
-    pod = ["sh", "-c", _script("pod.sh"), "ddp_kit-pod", "75", sys.executable, "-m", "torch.distributed.run",
+    pod = ["sh", "-c", _script("pod.sh"), "ddp_kit-pod", "75", "0", sys.executable, "-m", "torch.distributed.run",
            "--nproc_per_node", "2", "--no-python", "sh", "-c", _script("rank.sh"), "ddp_kit-rank",
            sys.executable, "-m", "ddp_kit.train", "--progress", "false", "--run_dir", str(run), "--max_steps", "30",
            "--ckpt_every", "4", "--inject", "raise:rank=1:step=6:always=1"]

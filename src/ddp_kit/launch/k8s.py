@@ -2,7 +2,7 @@
 from templates/k8s/ (package data), and apply it with kubectl (or print it with --dry_run).
 
 Every engine gets the same pod: the ddp_kit entrypoint as PID 1 (templates/k8s/pod.sh: forwards SIGTERM,
-maps exit 75 to the engine's "restart me"), a PVC mounted above run_dir, the GPUs asked for,
+maps exit 75, and on PyTorchJob the retryable failures 1 and 3, to the engine's "restart me"), a PVC mounted above run_dir, the GPUs asked for,
 terminationGracePeriodSeconds = DDP_KIT_GRACE_PERIOD_S (ddp_kit compares its checkpoint time with it).
 Each engine's template says, with the source it was learned from, which environment it sets and how
 its restart policy reads the exit codes.
@@ -25,8 +25,11 @@ ENGINES = ("trainjob", "pytorchjob", "volcano")
 K8S_LAYOUTS = ("torchrun", "process")
 EXIT_PREEMPTED = 75  # reliability/preemption.py; not imported, so that rendering does not import torch
 EXIT_USER_ERROR = 2  # errors.py: the same failure on every attempt, never worth a restart
-# PyTorchJob's ExitCode policy retries only 128-255; 75 + 128 sits above every 128 + signal number (<= 192).
+# PyTorchJob's ExitCode policy retries only 128-255 (training-operator pkg/util/train IsRetryableExitCode:
+# exitCode >= 128); 75 + 128 sits above every 128 + signal number (<= 192), and so do the retryable
+# failures 1 (crashed, lost peer, infrastructure) and 3 (hung) moved up by 192: 193 and 195.
 PYTORCHJOB_PREEMPTED_EXIT = EXIT_PREEMPTED + 128
+PYTORCHJOB_RETRYABLE_OFFSET = 192
 GRACE_ENV = "DDP_KIT_GRACE_PERIOD_S"
 TRAINJOB_PORT = 29500  # the torch plugin's constants.ContainerTrainerPort: fixed, not configurable
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "k8s"
@@ -144,6 +147,11 @@ def preempted_exit(engine: str) -> int:
     return PYTORCHJOB_PREEMPTED_EXIT if engine == "pytorchjob" else EXIT_PREEMPTED
 
 
+def retryable_offset(engine: str) -> int:
+    """What pod.sh adds to the retryable failures 1 and 3: only an engine that retries only codes >= 128 needs it."""
+    return PYTORCHJOB_RETRYABLE_OFFSET if engine == "pytorchjob" else 0
+
+
 def container(job: K8sJob, name: str, with_command: bool = True) -> dict:
     """The training container, the same on every engine but for its name (each operator looks for its own)."""
     env = [{"name": GRACE_ENV, "value": str(job.grace_period_s)}]
@@ -152,7 +160,8 @@ def container(job: K8sJob, name: str, with_command: bool = True) -> dict:
         env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(job.grace_period_s)})
     out: dict = {"name": name, "image": job.image}
     if with_command:
-        out["command"] = ["sh", "-c", _script("pod.sh"), "ddp_kit-pod", str(preempted_exit(job.engine))]
+        out["command"] = ["sh", "-c", _script("pod.sh"), "ddp_kit-pod", str(preempted_exit(job.engine)),
+                          str(retryable_offset(job.engine))]
         out["args"] = launcher(job)
     out["env"] = env
     if job.gpus_per_node:

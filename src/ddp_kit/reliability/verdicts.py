@@ -8,15 +8,37 @@
     program_error       1  yes        an exception in the script (its traceback); retried once: the same
                                       exception at the same step in the next attempt is deterministic,
                                       and that attempt exits 2 (not retryable)
-    out_of_memory       1  yes        the device or host ran out of memory; the same repeat rule
-    lost_peer           1  yes        a collective timed out or another rank vanished (killed, node lost)
-    infrastructure    1/2  1: yes     the disk is full or read-only, an I/O error; a full disk while
-                                      checkpointing stops the run with 2 (it will not free itself)
+    out_of_memory       1  yes        the device ran out of memory (torch.OutOfMemoryError); the same repeat rule
+    lost_peer           1  yes        a collective broke or timed out, or another rank vanished (killed, node or
+                                      network lost), whichever rank saw it first and posted it; never "deterministic"
+    infrastructure    1/2  1: yes     outside the program, naming the host: storage that refuses, times out or
+                                      throttles (503 SlowDown) at start or resume, a GPU ECC/Xid error, the host's
+                                      memory (MemoryError: another process may hold it), an I/O error; never under
+                                      the repeat rule (a job that cannot fit stops by max_failed_attempts). A full
+                                      disk while checkpointing stops the run with 2 (it will not free itself)
     hang                3  yes        no progress within hang_timeout_s (stacks in run_dir/hang/)
     killed              -  yes        (read, never written) an attempt that left no end: SIGKILL, the OOM killer
 
 Engines act on the exit code alone, so the non-retryable ones share code 2 (EXIT_USER_ERROR), which the
-templates map to "do not retry" (SLURM: no requeue; TrainJob/PyTorchJob/Volcano: fail the job).
+templates map to "do not retry"; a crash loop (max_failed_attempts attempts without a new checkpoint) is
+refused at startup with 2 too. What each engine sees (launch/templates; torchrun itself exits 1 for any
+failed rank, so under torchrun rank.sh leaves 75 or 2 in a mark that pod.sh reads):
+
+    exit of ddp_kit   SLURM (sbatch)         TrainJob (podFailurePolicy)  PyTorchJob (ExitCode)    Volcano
+    0                 done                   done                         0: done                  done
+    75  preempted     75, requeued by        75: Ignore, pod recreated,   203 (75+128): retried    RestartJob
+                      ddp_kit (scontrol)     not counted
+    1   retryable     1: the job fails (no   counted: JobSet restarts,    193 (1+192): retried,    RestartJob
+        failures      requeue; torchrun      up to maxRestarts            up to backoffLimit
+                      --max-restarts retries)
+    3   hang          3: as 1                as 1                         195 (3+192): retried     RestartJob
+    2   not retryable 2: the job fails       FailJob                      2: the job fails         TerminateJob
+    killed (137)      the job fails          counted; a disruption:       137: retried             RestartJob
+                      (node failure: requeued) Ignore
+
+PyTorchJob's ExitCode policy (kubeflow training-operator, IsRetryableExitCode: >= 128) fails the job at once
+on 1-127, so the pod entrypoint moves the retryable codes above 192 (no 128 + signal number): see
+launch/k8s.py.
 """
 from __future__ import annotations
 
