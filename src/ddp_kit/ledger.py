@@ -7,7 +7,9 @@ The wall time, from the first attempt's launch to the last one's end (now, while
 pieces that add up to it by construction. Each attempt's span is split into its start-up (launch to the
 end of its first step, less that step), checkpoint blocking, evaluation, replica pauses and discarded
 steps (strategy ft), the hang before a watchdog fired, and its steps: kept ones are goodput, ones a later
-attempt trained again are "replayed". What its records do not explain is "other"; the gap between one
+attempt trained again are "replayed". A running attempt's time since its last line is "unlogged" (training
+or stalled: its next line tells), so a stall never shows as goodput. What its records do not explain is
+"other"; the gap between one
 attempt's end and the next one's launch is "down". A step's time is the attempt's mean over its log
 windows (checkpoint, eval and pauses inside a window taken out), so replayed time is the count of replayed
 steps (exact) times that attempt's step time (an estimate).
@@ -18,7 +20,6 @@ progress mirror the dead process left)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from bisect import bisect_left
 from collections import Counter
@@ -30,7 +31,7 @@ from .errors import UserError
 
 LEDGER = "attempts.jsonl"  # in run_dir; the writer's name for it is boundary/attempts.py's FILE
 # Badput causes, in the order the status table shows them.
-CAUSES = ("startup", "checkpoint", "evaluation", "replayed", "down", "hang", "replica", "other")
+CAUSES = ("startup", "checkpoint", "evaluation", "replayed", "down", "hang", "replica", "other", "unlogged")
 # Phases of reliability/progress.py in which the step the mirror names had finished.
 COMPLETE_PHASES = frozenset({"after step", "preemption check", "log all-reduce", "sync check", "checkpoint",
                              "between epochs", "finish", "eval"})
@@ -130,8 +131,9 @@ class RunAccount:
 # --- reading ---------------------------------------------------------------------------------------
 
 def read(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The ledger's records (an object with a string "event" and a numeric "t"), and how many lines
-    were skipped (a line cut by a kill). Raises OSError when the file cannot be read."""
+    """The ledger's records (an object with a string "event" and a numeric "t", each field of the type
+    its writer gives it: see _sound), and how many lines were skipped (a line cut by a kill, or damaged).
+    Raises OSError when the file cannot be read."""
     records, bad = [], 0
     with open(path, "rb") as f:
         for line in f:
@@ -142,7 +144,7 @@ def read(path: Path) -> tuple[list[dict[str, Any]], int]:
             except ValueError:
                 bad += 1
                 continue
-            if isinstance(r, dict) and isinstance(r.get("event"), str) and _num(r.get("t")):
+            if _sound(r):
                 records.append(r)
             else:
                 bad += 1
@@ -216,7 +218,56 @@ def group(records: list[dict[str, Any]]) -> list[_Raw]:
 
 
 def _num(v: Any) -> TypeGuard[float]:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    # compared, not math.isfinite: an int beyond a float's range (JSON holds any) would raise OverflowError
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -BIGGEST <= v <= BIGGEST
+
+
+# What a sound line holds: the writers' fields (boundary/attempts.py, boundary/ledger.py) with their types.
+BIGGEST = 1e15  # no count or second the writers put in the ledger comes near; NaN and inf fail the comparison
+_LATEST_T = 1e11  # a unix time past this (the year 5138) is no clock's
+_NUMBERS = frozenset({"t", "launched_t", "step", "steps", "window_s", "blocking_s", "commit_s", "seconds", "paused_s",
+                      "stalled_s", "latest", "attempt", "exit", "rank", "world_size", "restart_count", "durable_step",
+                      "slowest_rank"})
+_TEXTS = frozenset({"verdict", "cause", "fix", "engine", "host", "from", "tier", "phase", "why", "outcome", "error",
+                    "slowest_host"})
+
+
+def _sound(r: Any) -> bool:
+    """Whether a parsed line is a record status can use as it is; a damaged one is skipped and counted,
+    whatever it holds (a number too big for a float, a time no clock shows, a field of another type)."""
+    if not isinstance(r, dict) or not isinstance(r.get("event"), str):
+        return False
+    if not (_num(r.get("t")) and 0 <= r["t"] < _LATEST_T):
+        return False
+    if "launched_t" in r and r["launched_t"] is not None and not (_num(r["launched_t"]) and 0 <= r["launched_t"] < _LATEST_T):
+        return False
+    for k, v in r.items():
+        if v is None:
+            continue
+        if (k in _NUMBERS and not _num(v)) or (k in _TEXTS and not isinstance(v, str)):
+            return False
+        if k == "retryable" and not isinstance(v, bool):
+            return False
+        if k == "hosts" and not (isinstance(v, list) and all(isinstance(h, str) for h in v)):
+            return False
+        if k == "killed_before" and not isinstance(v, dict):
+            return False
+    return _bounded(r)
+
+
+def _bounded(v: Any, depth: int = 0) -> bool:
+    """No number anywhere in `v` (nested too) outside what a float holds comfortably."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return True
+    if isinstance(v, (int, float)):
+        return _num(v)
+    if depth > 8:
+        return False
+    if isinstance(v, dict):
+        return all(_bounded(x, depth + 1) for x in v.values())
+    if isinstance(v, list):
+        return all(_bounded(x, depth + 1) for x in v)
+    return False
 
 
 def _f(v: Any) -> float:
@@ -379,9 +430,10 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
         first = a.first("first_step")
         parts = {"checkpoint": blocking, "evaluation": evaluating, "hang": hang,
                  "replica": pausing + len(a.of("step_discarded")) * step_s,
-                 "goodput": kept * step_s, "replayed": (n - kept) * step_s}
+                 "goodput": kept * step_s, "replayed": (n - kept) * step_s, "unlogged": 0.0}
         if last_run and first is not None:
-            parts["goodput"] += max(0.0, now - last_t)  # training since its last line
+            # Training or stalled since its last line: not known yet (the next line tells), so not goodput.
+            parts["unlogged"] = max(0.0, now - last_t)
         if first is not None:
             parts["startup"] = max(0.0, first["t"] - start - step_s)
         elif n == 0:  # never trained a step: all of it was getting there

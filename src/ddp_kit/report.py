@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ REPLICA_EVENTS = {"quorum", "step_discarded", "replica_pause", "recovery", "repl
 # The timeline's colour for goodput and each badput cause (ledger.CAUSES).
 CAUSE_COLORS = {"goodput": "tab:green", "startup": "tab:blue", "checkpoint": "tab:purple", "evaluation": "tab:cyan",
                 "replayed": "tab:red", "down": "lightgrey", "hang": "tab:orange", "replica": "tab:olive",
-                "other": "darkgrey"}
+                "other": "darkgrey", "unlogged": "khaki"}
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -56,8 +55,9 @@ def load(run_dir: Path) -> list[dict]:
 
 
 def _num(v) -> bool:
-    """A plottable number: int or float, not bool (True is an int to Python) nor NaN/inf."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A plottable number: int or float, not bool (True is an int to Python) nor NaN/inf, nor an int too big
+    for a float (math.isfinite would raise OverflowError on it)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -1e300 < v < 1e300
 
 
 def _ranks(r: dict) -> list[dict]:
@@ -222,7 +222,7 @@ def timeline(run: RunAccount) -> Panel:
                 bar(prev, a.launched_t, "down")
             bar(a.launched_t, a.launched_t + sec["startup"], "startup")
             t = a.end_t
-            for cause in ("other", "hang", "replayed"):
+            for cause in ("unlogged", "other", "hang", "replayed"):
                 bar(t - sec[cause], t, cause)
                 t -= sec[cause]
             for at, cause, s in a.marks:

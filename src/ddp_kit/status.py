@@ -24,6 +24,7 @@ MEANING = {  # one line per cause, under the table
     "hang": "stalls: from the last progress to the watchdog's report",
     "replica": "strategy ft: pauses while replica groups left or joined, and discarded steps",
     "other": "what the ledger does not explain (teardown, final saves, clock noise)",
+    "unlogged": "a running attempt's time since its last ledger line: training or stalled (the next line tells)",
 }
 
 
@@ -116,7 +117,8 @@ def render(run: RunAccount, run_dir: str = "") -> str:
         lines.append(f"  slowest rank: {slow.rank}" + (f" on {slow.host}" if slow.host else "")
                      + f" (the slowest in {slow.windows} of {slow.of} log windows)")
     if run.skipped_lines:
-        lines.append(f"  ({run.skipped_lines} ledger line{'s' if run.skipped_lines != 1 else ''} skipped: cut by a kill)")
+        lines.append(f"  ({run.skipped_lines} ledger line{'s' if run.skipped_lines != 1 else ''} skipped: cut by a kill, "
+                     f"or damaged)")
     return "\n".join(lines)
 
 

@@ -211,8 +211,10 @@ def test_the_state_word_running_then_killed(tmp_path):
     run = account(records, now=130.0)
     _adds_up(run)
     assert run.state == "running" and run.attempts[0].verdict == "running" and run.end_t == 130.0
-    # goodput: 20 steps x 1.0 s, and the 5 s since its last line (it is training); startup 4, checkpoint 1
-    assert run.goodput_s == pytest.approx(25.0) and run.badput["startup"] == pytest.approx(4.0)
+    # goodput: 20 steps x 1.0 s; the 5 s since its last line are unlogged (training or stalled: not known yet);
+    # startup 4, checkpoint 1
+    assert run.goodput_s == pytest.approx(20.0) and run.badput["startup"] == pytest.approx(4.0)
+    assert run.badput["unlogged"] == pytest.approx(5.0)
     gone = account(records, now=125.0 + 121.0)  # quiet for longer than 120 s (and 2 log gaps): not running
     assert gone.state == "failed" and gone.attempts[0].verdict == "killed" and gone.end_t == 125.0
 
