@@ -32,7 +32,7 @@ def test_open_backend_takes_a_plain_path_as_a_folder_and_a_file_url_as_a_store(t
     assert {"", "file", "s3", "gs", "az", "memory"} <= set(BACKENDS)
     for location in (tmp_path, str(tmp_path)):
         ck = open_backend(location, _alone(), keep_last=2)
-        assert type(ck) is Checkpointer and isinstance(ck, CheckpointBackend)
+        assert isinstance(ck, Checkpointer) and not isinstance(ck, ObjectStoreCheckpointer) and isinstance(ck, CheckpointBackend)
         assert ck.root == tmp_path and ck.keep_last == 2
     # file:// takes the object store's code path (no rename), so that it is testable without a server
     for location in (f"file://{tmp_path}/ck", f"FILE://localhost{tmp_path}/ck/"):

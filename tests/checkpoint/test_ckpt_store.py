@@ -527,11 +527,11 @@ def test_a_folder_checkpoint_whose_manifest_names_a_file_outside_is_invalid(tmp_
 
 # ---- one writer per location: the lease ------------------------------------------------------------
 
-def _other_job(host="node-b", pid=4242, job_id="other", renewed_ago=0.0, ttl_s=60.0, restart_count=0):
+def _other_job(host="node-b", pid=4242, job_id="other", renewed_ago=0.0, ttl_s=60.0, restart_count=0, launch=None):
     import time
 
     return {"host": host, "pid": pid, "job_id": job_id, "batch_job_id": None, "generation": 1, "token": "theirs",
-            "restart_count": restart_count, "renewed": time.time() - renewed_ago, "ttl_s": ttl_s}
+            "restart_count": restart_count, "renewed": time.time() - renewed_ago, "ttl_s": ttl_s, "launch": launch}
 
 
 def test_a_second_job_on_one_url_is_refused_in_one_line_before_it_writes_anything(url):
@@ -565,13 +565,15 @@ HERE = "this host's boot and pid namespace"
 
 
 @pytest.mark.parametrize("holder,renews,taken", [
-    (dict(renewed_ago=120.0), False, True),  # stopped renewing for longer than its ttl
+    (dict(renewed_ago=120.0, ttl_s=2.0), False, True),  # stopped renewing: its record stays as it is for its ttl
     (dict(renewed_ago=0.5, ttl_s=2.0), True, False),  # alive elsewhere: it renews while we watch
     (dict(renewed_ago=0.5, ttl_s=2.0), False, True),  # died elsewhere just now (an evicted pod): its ttl runs out
     (dict(host=HERE, pid=2**22 + 12345, renewed_ago=1.0), False, True),  # a dead process on this host
     (dict(host=HERE, start="1", renewed_ago=1.0), False, True),  # our own pid number, another process (a recreated pod)
-    (dict(job_id="mine", renewed_ago=1.0), False, True),  # an earlier attempt of this job (a lower restart count)
+    (dict(launch="torchrun 1f2e", renewed_ago=1.0), False, True),  # an earlier attempt of this launch (its token)
     (dict(job_id="mine", restart_count=1, renewed_ago=0.5, ttl_s=2.0), True, False),  # same job id, not earlier: a twin
+    # the same rdzv_id with a lower restart count, another launch token: a second job, alive (issue 44)
+    (dict(job_id="mine", restart_count=0, renewed_ago=0.5, ttl_s=2.0), True, False),
 ])
 def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder, renews, taken):
     import threading
@@ -581,7 +583,7 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_is_not(holder
     from ddp_kit.errors import UserError
 
     where = store_fs.open_store(_url())
-    me, said = lease.identity("mine", None, restart_count=1), []
+    me, said = lease.identity("mine", None, restart_count=1, launch="torchrun 1f2e"), []
     if holder.get("host") == HERE:
         record = {**_other_job(), **{k: me[k] for k in ("host", "pid", "boot_id", "pidns", "start")},
                   **{k: v for k, v in holder.items() if k in ("pid", "start")}}

@@ -167,10 +167,10 @@ def open_backend(location: str | Path, ctx: Any, **options: Any) -> CheckpointBa
         storage: Storage | None = opener(str(location))
     except UserError:  # the object store backend says it at its first collective call
         storage = None
-    if storage is not None and storage.local_root is not None:
-        from .checkpointer import open_folder
+    if storage is not None and storage.local_root is not None:  # with the same one-writer lease as a URL
+        from .folder_lease import open_leased_folder
 
-        return open_folder(ctx, storage, **options)
+        return open_leased_folder(ctx, storage, **options)
     from .object_store import open_object_store
 
     return open_object_store(ctx, storage if storage is not None else str(location), **options)

@@ -10,23 +10,27 @@ exposes that as `pipe_file(..., mode="create")`.
     <url>/.lease.<generation>   JSON: the holder (host, pid, job ids), when it last renewed, its ttl
 
 The newest generation holds the location. A job starting finds it and
-- creates the next generation when there is none, or when the holder is gone: it released it, its
-  lease was not renewed for its ttl, it is a dead process of this host's boot and pid namespace (pid
-  and start time), or it is an earlier attempt of this same job (the same job id with a lower restart
-  count: a torchrun restart, a SLURM requeue). Of two jobs that race for one generation, the
-  conditional write lets exactly one win (and a token read back catches a store that ignores the
-  condition); the other then finds a live holder.
+- creates the next generation when there is none, or when the holder is gone: it released it, it is
+  an earlier attempt of this job's own launch (the same launch token, dist/launch_token.py: a torchrun
+  restart, a SLURM requeue; a token made at the launch's first start, never a name two jobs can share
+  such as torchrun's rdzv_id), it is a dead process of this host's boot and pid namespace (pid and
+  start time), or it was watched and did not renew for its ttl. Of two jobs that race for one
+  generation, the conditional write lets exactly one win (and a token read back catches a store that
+  ignores the condition); the other then finds a live holder.
 - is refused in one line naming the holder otherwise, before it writes any checkpoint: at once when the
   holder is a live process on this host, else once it has seen the holder renew (a live holder renews
-  every ttl/6; a dead one's ttl runs out meanwhile, and it is taken over).
+  every ttl/6; a dead one's record stays as it was for a whole ttl meanwhile, and it is taken over).
 A holder that finds a newer generation than its own, or its own record gone or not its own, when it
 commits (it stopped renewing long enough to be taken over: a frozen or partitioned node) stops without
 committing. At its end a holder marks its record released rather than deleting it, so generation
 numbers only grow.
 
-Staleness compares the holder's wall clock with the reader's: clocks must agree within a small part of
-the ttl (NTP does). A client whose file system does not take mode="create" falls back to look, then
-write, which is not atomic against a job that starts in the same instant.
+Whether a holder renews is timed on the reader's own monotonic clock, by watching its record change:
+no two hosts' wall clocks are ever compared (a starter whose clock runs an hour ahead takes no live
+lease). The holder's wall-clock `renewed` is only said in messages. A client whose file system does not
+take mode="create" falls back to look, then write, which is not atomic against a job that starts in
+the same instant. A folder (a plain path ckpt_dir, NFS or Lustre included) holds its lease the same
+way through fsspec's local file system: created with link(2), rewritten by rename.
 """
 from __future__ import annotations
 
@@ -77,10 +81,14 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def identity(job_id: str | None, batch_job_id: str | None, restart_count: int = 0) -> dict[str, Any]:
+def identity(job_id: str | None, batch_job_id: str | None, restart_count: int = 0,
+             launch: str | None = None) -> dict[str, Any]:
     """Who this process is, as the lease records it. A pod recreated under the same name has the same
     hostname and often the same pid numbers: the boot, the pid namespace and the start time say
-    whether a recorded pid is really the same process (checked only where all three are known)."""
+    whether a recorded pid is really the same process (checked only where all three are known).
+    `launch`: the launch token every attempt of this job shares and no other job has
+    (dist/launch_token.py; None when there is no such token): an earlier attempt is recognised by it.
+    The job ids and the restart count are for the messages only."""
     try:
         pidns = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
@@ -88,7 +96,7 @@ def identity(job_id: str | None, batch_job_id: str | None, restart_count: int = 
     return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
             "pidns": pidns, "start": _start_time(os.getpid()),
             "job_id": job_id if job_id not in (None, "", "none") else None, "batch_job_id": batch_job_id or None,
-            "restart_count": int(restart_count or 0)}
+            "restart_count": int(restart_count or 0), "launch": launch or None}
 
 
 def newest(store: Store) -> tuple[int, dict[str, Any]] | None:
@@ -130,20 +138,22 @@ def _alive(record: dict[str, Any]) -> bool:
     return isinstance(pid, int) and _start_time(pid) is not None and _start_time(pid) == record.get("start")
 
 
-def gone_why(record: dict[str, Any], me: dict[str, Any], now: float) -> str | None:
-    """Why the holder of `record` no longer holds the location; None when it does or may."""
+def _is_me(record: dict[str, Any], me: dict[str, Any]) -> bool:
+    return _same_process_space(record, me) and record.get("pid") == me.get("pid") and record.get("start") == me.get("start")
+
+
+def gone_why(record: dict[str, Any], me: dict[str, Any]) -> str | None:
+    """Why the holder of `record` no longer holds the location, from the record alone; None when it
+    does or may (then only watching it tells: _watch). Never from the holder's wall clock."""
     if record.get("released"):
         return "a job that has released it"
-    for key in ("job_id", "batch_job_id"):  # a later attempt of the same job: restart, requeue
-        if (me.get(key) and record.get(key) == me[key]
-                and int(me.get("restart_count", 0)) > int(record.get("restart_count", 0))):
-            return f"an earlier attempt of this job ({key.replace('_', ' ')} {me[key]})"
-    if _same_process_space(record, me) and not _alive(record):
+    here = _same_process_space(record, me)
+    if here and _alive(record):
+        return None  # a live process on this host, whatever it says
+    if me.get("launch") and record.get("launch") == me["launch"] and not _is_me(record, me):
+        return f"an earlier attempt of this job (launch {me['launch']})"  # a torchrun restart, a requeue
+    if here:
         return f"process {record.get('pid')} on this host, which has exited"
-    age = now - float(record.get("renewed", 0))
-    ttl = float(record.get("ttl_s", LEASE_TTL_S))
-    if age > ttl:
-        return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which last renewed {age:.0f}s ago (ttl {ttl:g}s)"
     return None
 
 
@@ -154,12 +164,21 @@ def describe_holder(record: dict[str, Any], now: float) -> str:
             f"renewed {max(age, 0):.0f}s ago")
 
 
+def _is_folder(store: Store) -> bool:
+    """Whether the location is a folder (storage_folder.FolderFS, or fsspec's local file system)."""
+    if getattr(store.fs, "is_folder", False):
+        return True
+    try:
+        from fsspec.implementations.local import LocalFileSystem
+    except ImportError:
+        return False
+    return isinstance(store.fs, LocalFileSystem)
+
+
 def create_only(store: Store, path: str, body: bytes) -> bool:
     """Write `path` only if no object is there; whether this call created it."""
     try:
-        from fsspec.implementations.local import LocalFileSystem
-
-        if isinstance(store.fs, LocalFileSystem):  # link(2) fails if the name exists: atomic, and whole
+        if _is_folder(store):  # link(2) fails if the name exists: atomic, and whole (NFS included)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             with open(tmp, "wb") as f:
@@ -185,8 +204,43 @@ def create_only(store: Store, path: str, body: bytes) -> bool:
 
 
 def _record(me: dict[str, Any], ttl_s: float, generation: int, token: str, **more: Any) -> bytes:
+    """`renewed` (this host's wall clock) is for people; `renewals` makes every renewal a change a
+    watcher sees, whatever the clocks."""
     return json.dumps({**me, "generation": generation, "token": token, "renewed": time.time(), "ttl_s": ttl_s,
                        **more}).encode()
+
+
+def _overwrite(store: Store, path: str, body: bytes) -> None:
+    """Replace the object at `path` whole: one PUT on a store; on a folder a new file renamed over it,
+    so that a reader never sees half a record."""
+    if not _is_folder(store):
+        store.fs.pipe_file(path, body)
+        return
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp) if os.path.exists(tmp) else None
+        raise
+
+
+def _observe(store: Store) -> tuple[int, bytes | None] | None:
+    """What a watcher compares: the newest generation and its bytes (None: unreadable, or deleted
+    since the listing); None when there is no lease at all."""
+    store.fs.invalidate_cache(store.root)
+    try:
+        names = store.fs.glob(store.path(LEASE_PREFIX + "*"))
+    except FileNotFoundError:
+        return None
+    gens = sorted((g for n in names if (g := generation_of(str(n))) is not None), reverse=True)
+    if not gens:
+        return None
+    try:
+        return gens[0], bytes(store.fs.cat_file(store.path(lease_name(gens[0]))))
+    except FileNotFoundError:
+        return gens[0], None
 
 
 def _read_record(store: Store, generation: int) -> dict[str, Any] | None:
@@ -198,23 +252,25 @@ def _read_record(store: Store, generation: int) -> dict[str, Any] | None:
 
 
 def _watch(store: Store, held: int, record: dict[str, Any], me: dict[str, Any], say: Callable[[str], None]) -> str | None:
-    """Wait until the holder of generation `held` renews (None: it is alive) or its ttl runs out (why
-    it is gone). At most ttl / RENEW_PARTS plus a margin for a live holder, the ttl for a dead one."""
-    ttl = float(record.get("ttl_s", LEASE_TTL_S))
-    renewed = float(record.get("renewed", 0))
-    deadline = time.monotonic() + min(max(renewed + ttl - time.time(), 0.0), ttl) + 1.0
+    """Watch the lease until its record changes (None: the holder renewed, or a third job took it:
+    alive) or stays as it is for the holder's whole ttl, timed on this process's monotonic clock (why
+    it is gone). About ttl / RENEW_PARTS for a live holder, the ttl for a dead one."""
+    ttl = max(float(record.get("ttl_s", LEASE_TTL_S)), 0.1)
+    first = _observe(store)
+    deadline = time.monotonic() + ttl + min(1.0, ttl / RENEW_PARTS)
     say(f"ddp_kit: checkpoint location {store.url} is held by {describe_holder(record, time.time())}; waiting up to "
         f"{deadline - time.monotonic():.0f}s to see whether that job is still alive")
     while time.monotonic() < deadline:
         time.sleep(min(ttl / RENEW_PARTS / 4, max(deadline - time.monotonic(), 0.0)))
-        found = newest(store)
-        if found is None:
+        seen = _observe(store)
+        if seen is None:
             return "a job whose lease is gone"
-        if found[1].get("released"):
-            return "a job that has released it"
-        if found[0] != held or float(found[1].get("renewed", 0)) != renewed:
+        if seen != first:
+            found = newest(store)
+            if found is not None and found[0] == seen[0] and found[1].get("released"):
+                return "a job that has released it"
             return None  # renewed (or taken by a third job): alive
-    return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which stopped renewing (ttl {ttl:g}s)"
+    return f"{record.get('host', '?')} pid {record.get('pid', '?')}, which did not renew for {ttl:g}s while watched"
 
 
 def acquire(store: Store, me: dict[str, Any], ttl_s: float = LEASE_TTL_S,
@@ -227,11 +283,12 @@ def acquire(store: Store, me: dict[str, Any], ttl_s: float = LEASE_TTL_S,
         gen = 1
         if found is not None:
             held, record = found
-            why = gone_why(record, me, time.time())
+            why = gone_why(record, me)
             if why is None and not (_same_process_space(record, me) and _alive(record)):
-                # Maybe a job that just died elsewhere (an evicted pod comes back on another node with
-                # no job id of its own): a live holder renews within RENEW_PARTS of its ttl, a dead one
-                # never again. Watch it that long rather than refuse (exit 2: never retried) at once.
+                # Maybe a job that died elsewhere (an evicted pod comes back on another node with no
+                # launch token of its own), maybe one that runs: a live holder renews within RENEW_PARTS
+                # of its ttl, a dead one never again. Watch it that long rather than refuse (exit 2:
+                # never retried) or take it at once.
                 why = _watch(store, held, record, me, say)
             if why is None:
                 raise UserError(
@@ -305,6 +362,7 @@ class LeaseKeeper:
         self.generation, self.token = acquire(store, me, ttl_s)
         self._lock = threading.Lock()  # one writer of our record at a time: renewal or release
         self._released = False
+        self._renewals = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="ddp_kit-ckpt-lease", daemon=True)
         self._thread.start()
@@ -319,8 +377,9 @@ class LeaseKeeper:
         with self._lock:
             if self._released or taken_by(self.store, self.generation, self.token) is not None:
                 return False  # never re-create or overwrite a lease we no longer hold
-            self.store.fs.pipe_file(self.store.path(lease_name(self.generation)),
-                                    _record(self.me, self.ttl_s, self.generation, self.token, **more))
+            self._renewals += 1
+            _overwrite(self.store, self.store.path(lease_name(self.generation)),
+                       _record(self.me, self.ttl_s, self.generation, self.token, renewals=self._renewals, **more))
             return True
 
     def _renew(self) -> None:

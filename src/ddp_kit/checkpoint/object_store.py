@@ -34,6 +34,7 @@ from typing import Any
 
 from ..dist import DistContext
 from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
+from ..dist.launch_token import launch_of
 from ..errors import UserError
 from . import layout, steps
 from .backend import Found
@@ -78,18 +79,7 @@ def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError |
         raise problem
     if where is None:  # the store is missing only when opening it failed, and then `problem` says why
         raise ValueError("check_every_rank: no store, and no problem saying why")
-    keeper = None
-
-    def take() -> None:
-        nonlocal keeper  # stays on rank 0
-        try:
-            keeper = LeaseKeeper(where, identity(ctx.env.job_id, ctx.env.batch_job_id, ctx.env.restart_count), lease_ttl_s)
-        except UserError:
-            raise
-        except Exception as exc:  # a missing bucket, no credentials, a read-only bucket: said as the probe says it
-            raise refusal(where.url, exc, "written") from None
-
-    rank0_verdict(ctx, take)
+    keeper = take_lease(ctx, where, lease_ttl_s)
     try:
         probe(ctx, where)
     except BaseException:
@@ -97,6 +87,43 @@ def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError |
             keeper.release()
         raise
     return keeper
+
+
+def holder(ctx: DistContext) -> dict[str, Any]:
+    """This job as its lease records it (rank 0), with its launch token where it has a unique one."""
+    launch = launch_of(ctx.env)
+    return identity(ctx.env.job_id, ctx.env.batch_job_id, ctx.env.restart_count, launch.id if launch.unique else None)
+
+
+def take_lease(ctx: DistContext, where: Store, lease_ttl_s: float = LEASE_TTL_S) -> LeaseKeeper | None:
+    """Collective: rank 0 takes the location's lease (lease.py), or every rank raises its one line.
+    Returns rank 0's keeper (None on the other ranks)."""
+    keeper = None
+
+    def take() -> None:
+        nonlocal keeper  # stays on rank 0
+        try:
+            keeper = LeaseKeeper(where, holder(ctx), lease_ttl_s)
+        except UserError:
+            raise
+        except Exception as exc:  # a missing bucket, no credentials, a read-only bucket: said as the probe says it
+            raise refusal(where.url, exc, "written") from None
+
+    rank0_verdict(ctx, take)
+    return keeper
+
+
+def lease_stop(location: str, keeper: LeaseKeeper | None) -> tuple[str, str] | None:
+    """Rank 0, before a commit: (message, hint) when another job has taken this location over."""
+    try:
+        taker = keeper.lost() if keeper is not None else None
+    except Exception:  # the store cannot be listed now: the commit's own writes will say why
+        return None
+    if taker is None:
+        return None
+    return (f"another job took over checkpoint location {location} ({taker}) after this job stopped "
+            f"renewing its lease; this job stops without committing, so as not to overwrite its checkpoints",
+            "make sure one job at a time writes a location (give each its own ckpt_dir); then rerun")
 
 
 def probe(ctx: DistContext, where: Store) -> None:
@@ -337,16 +364,8 @@ class ObjectStoreCheckpointer(Checkpointer):
 
     def _lease_lost(self) -> str | None:
         """Rank 0, before a commit: a stop when another job has taken this location over (lease.py)."""
-        try:
-            holder = self._lease.lost() if self._lease is not None else None
-        except Exception:  # the store cannot be listed now: the commit's own writes will say why
-            return None
-        if holder is None:
-            return None
-        return _STOP + json.dumps([
-            f"another job took over checkpoint location {self.location} ({holder}) after this job stopped "
-            f"renewing its lease; this job stops without committing, so as not to overwrite its checkpoints",
-            "make sure one job at a time writes a location (give each its own ckpt_dir); then rerun"])
+        stop = lease_stop(self.location, self._lease)
+        return None if stop is None else _STOP + json.dumps(list(stop))
 
     def _outcome(self, step: int, errors: list[str]) -> str:
         """Rank 0's word to every rank: "1" (committed), failed (training goes on), or stop."""

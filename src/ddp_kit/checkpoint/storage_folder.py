@@ -2,11 +2,13 @@
 written in place, durable by fsync."""
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
@@ -113,6 +115,41 @@ class FolderStorage:
 
     def sibling(self, location: str) -> Storage | None:
         return None if "://" in location else FolderStorage(location)
+
+
+class FolderFS:
+    """The few fsspec file system calls the one-writer lease makes (lease.py), on a folder, without
+    fsspec (an optional dependency): a plain-path ckpt_dir holds its lease like a URL does."""
+
+    is_folder = True  # lease.py: create by link(2), replace by rename
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        pass
+
+    def glob(self, pattern: str) -> list[str]:
+        folder, name = os.path.split(pattern)
+        try:
+            return [os.path.join(folder, n) for n in os.listdir(folder) if fnmatch.fnmatchcase(n, name)]
+        except FileNotFoundError:
+            return []
+
+    def cat_file(self, path: str) -> bytes:
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def modified(self, path: str) -> datetime:
+        return datetime.fromtimestamp(os.stat(path).st_mtime, tz=timezone.utc)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def pipe_file(self, path: str, data: bytes, mode: str = "overwrite") -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "xb" if mode == "create" else "wb") as fh:
+            fh.write(data)
+
+    def rm_file(self, path: str) -> None:
+        os.unlink(path)
 
 
 def _delete(folders: list[Path]) -> None:
