@@ -2,7 +2,13 @@
 
 Importing the package is cheap and has no side effects; torch is imported by the modules that use it.
 """
+import time as _time
+
 from .version import __version__
+
+# When this interpreter imported ddp_kit (unix time) and the CPU seconds it had spent by then: what
+# boundary/attempts.launched_at tells an interpreter's own start by, when a shell exec'd it (`a && python ...`).
+IMPORTED = (_time.time(), _time.process_time())
 
 __all__ = ["__version__", "init", "Run"]
 

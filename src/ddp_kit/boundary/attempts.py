@@ -159,15 +159,50 @@ def _refused(path: Path, why: str, message: str, hint: str) -> UserError:
     return UserError(message, hint)
 
 
-def launched_at() -> float | None:
-    """When this process started (unix time), from /proc: the time before ddp_kit.init counts as start-up."""
+def launched_at(imported: tuple[float, float] | None = None) -> float | None:
+    """When this launch started (unix time): the time before ddp_kit.init counts as start-up.
+
+    /proc's start time is when this process was forked. A shell running `a && b && python ...` execs its
+    last command in its own process, so that time would be the shell's, before `a` and `b` (a pip install,
+    a sleep). So when this process waited for children before (their page faults and CPU time, which exec
+    keeps) and the interpreter's own start is more than EXEC_GAP_S later, that is the start: the time
+    ddp_kit was imported less the CPU seconds spent by then (interpreter start-up and imports are CPU).
+    `imported`: (unix time, CPU seconds) at that import (ddp_kit.IMPORTED)."""
+    from .. import IMPORTED
+
+    forked = _forked_at()
+    at, cpu = imported or IMPORTED
+    interpreter = at - cpu
+    if forked is None:
+        return round(interpreter, 3)
+    if _waited_for_children() and interpreter - forked > EXEC_GAP_S:
+        return round(interpreter, 3)
+    return forked
+
+
+EXEC_GAP_S = 2.0  # more than imports' waits on a busy disk or CPU, less than any command worth booking apart
+
+
+def _stat() -> list[str]:
+    return Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # fields from 3 (state) on
+
+
+def _forked_at() -> float | None:
     try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         booted = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                       if line.startswith("btime "))
-        return round(booted + int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)
+        return round(booted + int(_stat()[19]) / os.sysconf("SC_CLK_TCK"), 3)
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def _waited_for_children() -> bool:
+    """Whether this process (before an exec too) waited for a child: cminflt, cmajflt, cutime, cstime."""
+    try:
+        fields = _stat()
+        return any(int(fields[i]) > 0 for i in (8, 10, 13, 14))  # fields 11, 13, 16, 17
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def failed_in_a_row(records: list[dict[str, Any]], latest: int | None) -> list[dict[str, Any]]:
