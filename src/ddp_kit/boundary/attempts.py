@@ -34,6 +34,8 @@ from ..dist.launch_token import launch_of
 from ..errors import EXIT_USER_ERROR, UserError
 from ..ledger import LEDGER
 from ..reliability.verdicts import REPEATABLE, Verdict, of_stop
+from ..trackers.hub import CLOSE_TIMEOUT_S
+from . import grace_period
 from .ledger import append
 from .tracking import close_trackers
 
@@ -99,9 +101,12 @@ def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
 
 
 def end(b: Boundary, code: int) -> None:
-    """Record how this attempt ended (rank 0), in attempts.jsonl and to the trackers; never raises."""
-    close_trackers(b, code)  # bounded, and a tracker's failure is its own warning (trackers/hub.py)
+    """Record how this attempt ended (rank 0), in attempts.jsonl and to the trackers; never raises.
+    The end line first: a tracker slow to close (bounded by what a stop signal's grace period has left)
+    must not leave the SIGKILL at its end to take the line."""
     record_end(b, code, b.verdict or of_stop(code, b.steps.done))
+    # bounded, and a tracker's failure is its own warning (trackers/hub.py)
+    close_trackers(b, code, grace_period.close_budget_s(b, CLOSE_TIMEOUT_S))
 
 
 def record_end(b: Boundary, code: int, verdict: Verdict, **extra: Any) -> None:

@@ -7,11 +7,13 @@ commits inside that window. So every committed checkpoint's time is written to m
 (event "checkpoint": the loop's blocked seconds and the seconds to commit), and, when the
 launcher states its grace period (DDP_KIT_GRACE_PERIOD_S, set by the Kubernetes templates), the
 last measured time is compared with it at startup (from the previous attempt's metrics) and after
-each checkpoint: a warning, once per run, says when it does not fit.
+each checkpoint: a warning, once per run, says when it does not fit. What the grace period has left
+after the stop's checkpoint bounds the trackers' close (close_budget_s): the end line is written first.
 """
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,11 @@ if TYPE_CHECKING:  # the core imports its parts; they name it for the type check
 # checkpoint itself may use this share of the grace period.
 SHARE = 0.75
 _TAIL_BYTES = 256 * 1024  # the end of metrics.jsonl holds the last checkpoint's record
+# Without DDP_KIT_GRACE_PERIOD_S: Kubernetes' default terminationGracePeriodSeconds, and torchrun's
+# shutdown timeout for its workers after it forwards a signal.
+ASSUMED_GRACE_S = 30.0
+# Kept for what follows the trackers' close after a stop signal: the process group's teardown, the exit.
+TEARDOWN_S = 3.0
 
 
 
@@ -77,3 +84,14 @@ def last_commit_s(metrics: Path) -> float | None:
         if record.get("event") == "checkpoint" and isinstance(record.get("commit_s"), (int, float)):
             return float(record["commit_s"])
     return None
+
+
+def close_budget_s(b: Boundary, bound_s: float) -> float:
+    """How long the trackers may take to close (at most `bound_s`): after a stop signal, what the grace
+    period has left once the teardown is kept, so that a slow tracker never costs the exit code (75)
+    nor the end line to the SIGKILL that ends the grace period."""
+    if not b.flag.signum or not b.flag.at:
+        return bound_s
+    grace = b.ctx.env.grace_period_s or ASSUMED_GRACE_S
+    left = grace - (time.monotonic() - b.flag.at) - TEARDOWN_S
+    return max(0.0, min(bound_s, left))

@@ -81,16 +81,20 @@ def lineage(name: str, saved: dict[str, Any], here: dict[str, Any], fresh: bool,
     return None, None
 
 
-def close_trackers(b: Boundary, exit_code: int) -> None:
+def close_trackers(b: Boundary, exit_code: int, within_s: float | None = None) -> None:
     """The attempt ends: records held for trackers that never opened (no step was trained) open
-    them first; then every tracker gets what is queued and the exit code, within hub's bounds."""
+    them first; then every tracker gets what is queued and the exit code, within hub's bounds and
+    `within_s` (what a stop signal's grace period leaves: grace_period.close_budget_s)."""
     hub: Hub = b.records.trackers
     if not hub.opened and hub.has_pending:
         try:
             open_trackers(b, start=b.steps.done)
         except Exception as err:  # the attempt is ending: its exit code is what matters now
             hub.say(f"ddp_kit: warning: the trackers could not be opened ({type(err).__name__}: {err})")
-    hub.close(exit_code)
+    if within_s is None:
+        hub.close(exit_code)
+    else:
+        hub.close(exit_code, within_s)
 
 
 def _name(b: Boundary) -> str:

@@ -47,6 +47,7 @@ class PreemptFlag:
 
     def __init__(self, rank: int = 0, where: Callable[[], tuple[int, int | None]] | None = None):
         self.signum = 0
+        self.at = 0.0  # time.monotonic() of the first stop signal (the grace period runs from it)
         self.rank = rank
         self.startup = True
         self.closing = False  # the process is already ending on an error of its own
@@ -95,6 +96,7 @@ class PreemptFlag:
             if self._first_int and now - self._first_int > SAME_PRESS_S:
                 self._exit_now(signum, "a second Ctrl-C")
             self._first_int = self._first_int or now
+        self.at = self.at if self.signum else now
         self.signum = self.signum or signum
         if self.startup:
             self._exit_now(signum, "before step 1")

@@ -137,15 +137,16 @@ class Hub:
                 continue
             w.queue.put(item)
 
-    def close(self, exit_code: int) -> None:
-        """The attempt ends with `exit_code`: what is queued is sent and each tool told, within the bounds."""
+    def close(self, exit_code: int, within_s: float = CLOSE_TIMEOUT_S) -> None:
+        """The attempt ends with `exit_code`: what is queued is sent and each tool told, within the bounds
+        (`within_s` in all: less when a stop signal's grace period has less left; boundary/grace_period.py)."""
         if self.closed:
             return
         self.closed = True
         for w in self._workers:
             if not w.gone:
                 w.queue.put((_CLOSE, exit_code))
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        deadline = time.monotonic() + within_s
         for w in self._workers:
             while w.is_alive() and not w.gone:
                 w.join(0.05)
@@ -153,7 +154,7 @@ class Hub:
                 if w.stuck(now):
                     self.give_up(w, f"did not answer within {CALL_TIMEOUT_S:g}s")
                 elif now > deadline:
-                    self.give_up(w, f"did not take the last records within {CLOSE_TIMEOUT_S:g}s")
+                    self.give_up(w, f"did not take the last records within {within_s:.3g}s")
         self._workers.clear()
 
     def give_up(self, w: _Worker, why: str) -> None:
