@@ -14,7 +14,8 @@ config itself is not copied in (it may name paths and whatever a script passed t
 Tensors that share memory (tied weights: an embedding also used as the output layer) are each
 written whole, so every key of the state_dict is in the file and a plain `safetensors.torch.load_file`
 + `model.load_state_dict` works anywhere; the header's `shared` names them ({"key": "the key it
-shares memory with"}) and they cost their bytes twice on disk. An entry that is not a tensor (a
+shares memory with"}) and they cost their bytes twice on disk. Only overlapping memory is shared:
+disjoint views of one storage (a fused QKV weight split in three) are separate tensors. An entry that is not a tensor (a
 module's `_extra_state`, an optimizer's nested state) is refused in one line: safetensors holds
 tensors only.
 
@@ -66,7 +67,8 @@ def _plain(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[st
 
     tensors: dict[str, torch.Tensor] = {}
     shared: dict[str, str] = {}
-    owners: dict[tuple[torch.device, int], str] = {}  # (device, storage address) -> the first key that uses it
+    # (device, storage address) -> the byte ranges of that storage written so far, with their keys
+    owners: dict[tuple[torch.device, int], list[tuple[int, int, str]]] = {}
     for key, value in state.items():
         if not isinstance(key, str):
             raise UserError(f"{what} has a key {key!r} that is not a string: a safetensors file names tensors by strings",
@@ -80,9 +82,15 @@ def _plain(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[st
         t = value.detach().to("cpu").contiguous()
         if t.numel():
             where = (t.device, t.untyped_storage().data_ptr())
-            first = owners.setdefault(where, key)
-            if first != key:  # safetensors refuses two names for one memory; each gets its own copy
+            start = t.storage_offset() * t.element_size()
+            end = start + t.numel() * t.element_size()  # contiguous: its bytes are this one range
+            ranges = owners.setdefault(where, [])
+            # Tied only where the memory overlaps: the views of a fused QKV split are separate tensors.
+            first = next((k for s, e, k in ranges if s < end and start < e), None)
+            if first is not None:
                 shared[key] = first
+            ranges.append((start, end, key))
+            if len(ranges) > 1:  # safetensors refuses two names in one storage; each gets its own copy
                 t = t.clone()
         tensors[key] = t
     return tensors, shared
