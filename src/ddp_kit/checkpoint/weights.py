@@ -82,8 +82,8 @@ def _plain(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[st
         t = value.detach().to("cpu").contiguous()
         if t.numel():
             where = (t.device, t.untyped_storage().data_ptr())
-            start = t.storage_offset() * t.element_size()
-            end = start + t.numel() * t.element_size()  # contiguous: its bytes are this one range
+            start = int(t.storage_offset()) * t.element_size()
+            end = start + int(t.numel()) * t.element_size()  # contiguous: its bytes are this one range
             ranges = owners.setdefault(where, [])
             # Tied only where the memory overlaps: the views of a fused QKV split are separate tensors.
             first = next((k for s, e, k in ranges if s < end and start < e), None)
