@@ -7,7 +7,8 @@ or not the hang watchdog does. The store lives outside the process group (in tor
 a C++ thread of rank 0), so it still answers while a collective hangs.
 
 A rank that fails before it has a store (its config file is missing on its node) connects to the
-store as a client just to post the failure (`announce`).
+store as a client just to post the failure (`announce`), under the keys of its rendezvous round,
+which it learns from rank 0 as every rank does (rounds.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch.distributed as tdist
 
 from ..env import poll_period
 from ..errors import UserError
+from .rounds import round_prefix
 
 EXIT_PEER_FAILED = 1
 FAILED_KEY = "ddp_kit/failed"
@@ -35,11 +37,6 @@ LINGER_S = 1.5
 # moment later and stay silent; their fail-fast thread gives them this long to get there before it
 # says "stopping" itself, which would print the cause a second time.
 ECHO_GRACE_S = 10.0
-
-
-def store_prefix(restart_count: int) -> str:
-    """Keys of one attempt (a torchrun restart is a new attempt with fresh keys)."""
-    return f"ddp_kit/attempt_{restart_count}/"
 
 
 def post(store, rank: int, step: int, phase: str, err: BaseException) -> dict | None:
@@ -174,6 +171,7 @@ def announce(env, err: BaseException, timeout_s: float = 30.0) -> None:
         # A client only: rank 0 (or torchrun's agent) hosts the store; if nobody does, give up quietly.
         store = tdist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                                timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        post(tdist.PrefixStore(store_prefix(env.restart_count), store), env.rank, 0, "startup", err)
+        prefix = round_prefix(store, env.rank, env.world_size, timeout_s)
+        post(tdist.PrefixStore(prefix, store), env.rank, 0, "startup", err)
     except Exception:
         pass

@@ -24,8 +24,9 @@ from torch.torch_version import TorchVersion
 from .adopt import adopt, forget_ours, group_backend, leave, mark_ours, say_joined
 from ..env import DistEnv, check_gpus, detect
 from ..errors import EXIT_USER_ERROR, UserError
-from .failfast import LINGER_S, FailFast, announce, post, store_prefix
+from .failfast import LINGER_S, FailFast, announce, post
 from .reach import wait_for_master
+from .rounds import round_prefix
 from .resources import apply_cpu_settings
 
 # NCCL's flight recorder dumps are named <prefix><rank>, torch's own naming (its dump on timeout
@@ -54,12 +55,14 @@ class DistContext:
     # Set by whoever handles this process's failure: the teardown then aborts NCCL's communicators
     # (destroying them waits for work a failed collective never finishes).
     failing: threading.Event = field(default_factory=threading.Event, compare=False)
+    # The prefix of this rendezvous round's keys in the store (rounds.py), for helper connections.
+    store_prefix: str = field(default="", compare=False)
 
     def store_client(self) -> tdist.Store | None:
         """A connection of its own to the rendezvous store, for a helper thread: a TCPStore client
         serves one request at a time, so a thread sharing the main thread's connection would wait
         behind its blocking `wait()`s (a checkpoint commit, a rendezvous)."""
-        return client_store(self.env, self.timeout_s)
+        return client_store(self.env, self.timeout_s, self.store_prefix)
 
     @property
     def control_device(self) -> torch.device:
@@ -142,13 +145,14 @@ def choose_backend(device: torch.device, backend: str = "auto", shared_gpu: bool
     return backend
 
 
-def client_store(env: DistEnv, timeout_s: float) -> tdist.Store | None:
-    """A new client connection to the job's store (None at world size 1)."""
+def client_store(env: DistEnv, timeout_s: float, prefix: str) -> tdist.Store | None:
+    """A new client connection to the job's store, seeing the keys under `prefix` (this round's:
+    DistContext.store_prefix); None at world size 1."""
     if env.world_size == 1:
         return None
     store = tdist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return tdist.PrefixStore(store_prefix(env.restart_count), store)
+    return tdist.PrefixStore(prefix, store)
 
 
 def hosts_store(env: DistEnv) -> bool:
@@ -156,16 +160,18 @@ def hosts_store(env: DistEnv) -> bool:
     return env.world_size > 1 and env.rank == 0 and not env.agent_store
 
 
-def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
-    """The rendezvous store for the default group, namespaced by restart attempt.
+def _make_store(env: DistEnv, timeout: timedelta, owned: bool = True) -> tuple[tdist.Store, str]:
+    """The rendezvous store for the default group (a client of it for an adopted group), seen under
+    the prefix of this rendezvous round, and that prefix.
 
-    Under torchrun the agent shares its own rendezvous TCPStore with the workers. After a worker
-    group restart (--max-restarts) the restarted workers would read the previous attempt's gloo
-    addresses from it and hang (pytorch#135712). A per-attempt prefix gives each attempt fresh keys.
+    Under torchrun the agent shares its own rendezvous TCPStore with the workers, and it outlives a
+    round: restarted workers would read the previous round's gloo addresses from it and hang
+    (pytorch#135712). A prefix per round gives each round fresh keys; the ranks agree on it through
+    the store (rounds.py), since the restart count each is told is its own agent's (pytorch#108158).
     """
     if env.world_size == 1:
-        return tdist.HashStore()
-    host = hosts_store(env)
+        return tdist.HashStore(), ""
+    host = owned and hosts_store(env)
     store = tdist.TCPStore(
         host_name=env.master_addr,
         port=env.master_port,
@@ -175,7 +181,8 @@ def _make_store(env: DistEnv, timeout: timedelta) -> tdist.Store:
         wait_for_workers=False,
         multi_tenant=host,
     )
-    return tdist.PrefixStore(store_prefix(env.restart_count), store)
+    prefix = round_prefix(store, env.rank, env.world_size, timeout.total_seconds())
+    return tdist.PrefixStore(prefix, store), prefix
 
 
 @contextmanager
@@ -249,15 +256,15 @@ def _group(env: DistEnv, dev: torch.device, be: str, timeout_s: float, side_grou
     timeout = timedelta(seconds=timeout_s)
     with _rendezvous(env, timeout_s, fail_fast, owned) as joining:
         # Made here: the group's own store. Adopted: a connection of ddp_kit's own to the group's store.
-        joining.store = _make_store(env, timeout) if owned else client_store(env, timeout_s)
+        joining.store, prefix = _make_store(env, timeout, owned)
         if fail_fast:
-            joining.failfast = FailFast(lambda: client_store(env, timeout_s), env.rank, env.world_size,
+            joining.failfast = FailFast(lambda: client_store(env, timeout_s, prefix), env.rank, env.world_size,
                                         linger_s=LINGER_S if hosts_store(env) else 0.0).start()
         if owned:
             _init_process_group(env, dev, be, joining.store, timeout)
         control = _side_group(env, be, timeout, side_group)
     ctx = DistContext(env=env, device=dev, backend=be, store=joining.store if env.world_size > 1 else None,
-                      timeout_s=timeout_s, failfast=joining.failfast, control_group=control)
+                      timeout_s=timeout_s, failfast=joining.failfast, control_group=control, store_prefix=prefix)
     if not owned:
         say_joined(env, be)
     failed = True

@@ -1,0 +1,115 @@
+"""A node replaced whole rejoins: two torchrun agents as two hosts (network namespaces, tests/netns.py),
+c10d rendezvous on nodea, launch/torchrun.sh (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), MAX_RESTARTS=2 and
+the memory tier on, each node with its own memory folder. Node B is lost as a whole (every process in
+its namespace SIGKILLed, its memory folder removed) and a fresh agent starts the same command there.
+
+torchrun counts restarts per agent (TORCHELASTIC_RESTART_COUNT, pytorch/pytorch#108158): the survivor's
+rank is at attempt 1, the fresh node's at attempt 0. ddp_kit named its rendezvous keys after that count,
+so the two ranks looked for each other under different keys, each waited init_timeout_s and failed, at
+every restart. Keyed by the rendezvous round, the job resumes from the copy of rank 1's state that node A
+holds and ends bit-identical to an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import netns
+from conftest import REFERENCE_2_EPOCHS, ROOT, proc_env, read_json
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not netns.AVAILABLE, reason="needs root, iproute2 and unshare")]
+
+# A durable checkpoint every 10 steps, a memory copy every 3 (later flags win over the reference's);
+# the first attempt is slowed (rank 0 only, 250 ms a step: a fault of the first attempt only) so that
+# the kill lands mid-run; the resumed attempt runs at full speed. A bound on the rendezvous short
+# enough that today's failure (every rank waits it out, at each restart) ends within the test's bound.
+ARGS = [*REFERENCE_2_EPOCHS, "--ckpt_every", "10", "--mem_ckpt_every", "3", "--inject", "slow:rank=0:step=1:ms=250",
+        "--init_timeout_s", "45", "--hang_timeout_s", "60"]
+
+
+@pytest.fixture
+def hosts():
+    with netns.hosts(["nodea", "nodeb"], subnet="10.232.0") as made:
+        yield {h.name: h for h in made}
+
+
+def agent(host: netns.Host, run_dir: Path, mem: Path, log: Path) -> subprocess.Popen:
+    env = proc_env({"NNODES": "2", "NPROC_PER_NODE": "1", "RDZV_HOST": "nodea", "RDZV_PORT": "29513",
+                    "RDZV_ID": "replaced", "MAX_RESTARTS": "2", "PYTHON": sys.executable, "DDP_KIT_MEM_DIR": str(mem),
+                    "RDZV_CONF": "join_timeout=90,keep_alive_interval=1,keep_alive_max_attempt=2"})
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # launch/torchrun.sh sets it, as README asks
+    with open(log, "a") as out:
+        return subprocess.Popen(host.command("bash", str(ROOT / "launch" / "torchrun.sh"), *ARGS,
+                                             "--run_dir", str(run_dir)),
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def peer_copy_step(mem: Path) -> int:
+    """The newest complete copy of rank 1's state a node holds (0: none)."""
+    steps = [0]
+    for manifest in mem.rglob("manifest.json") if mem.exists() else ():
+        if not manifest.parent.name.startswith("peer-r1-"):
+            continue
+        try:
+            steps.append(int(json.loads(manifest.read_text())["step"]))
+        except (OSError, ValueError, KeyError):
+            continue  # being written
+    return max(steps)
+
+
+def lose(host: netns.Host) -> None:
+    """Every process of the host: its agent and its workers (they run in sessions of their own)."""
+    for _ in range(3):  # a process may fork while we kill
+        pids = subprocess.run(["ip", "netns", "pids", host.ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.2)
+
+
+def test_a_node_replaced_whole_rejoins_and_the_job_ends_bit_identical(hosts, tmp_path, reference_summary):
+    ref = reference_summary(2, REFERENCE_2_EPOCHS)
+    run_dir, mem_a, mem_b = tmp_path / "run", tmp_path / "mem_a", tmp_path / "mem_b"
+    logs = {"a": tmp_path / "nodea.log", "b1": tmp_path / "nodeb_lost.log", "b2": tmp_path / "nodeb_fresh.log"}
+    first_a = agent(hosts["nodea"], run_dir, mem_a, logs["a"])
+    lost_b = agent(hosts["nodeb"], run_dir, mem_b, logs["b1"])
+    procs = [first_a, lost_b]
+
+    def said() -> str:
+        return "\n=====\n".join(f"{name}:\n{path.read_text()[-4000:]}" for name, path in logs.items() if path.exists())
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first_a.poll() is None and peer_copy_step(mem_a) < 6:
+            time.sleep(0.2)
+        assert peer_copy_step(mem_a) >= 6, f"node A never held a copy of rank 1's state\n{said()}"
+        lose(hosts["nodeb"])
+        shutil.rmtree(mem_b, ignore_errors=True)  # the node's memory goes with it
+        fresh_b = agent(hosts["nodeb"], run_dir, mem_b, logs["b2"])
+        procs.append(fresh_b)
+        for p in (first_a, fresh_b):
+            p.wait(timeout=max(1.0, deadline + 120 - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                lose(hosts["nodea"])
+                lose(hosts["nodeb"])
+                p.wait()
+    assert (first_a.returncode, fresh_b.returncode) == (0, 0), said()
+    summary = read_json(run_dir / "summary.json")
+    resumed = summary["resumed_from_step"]
+    assert resumed and resumed >= 6, summary
+    assert "resumed from the peer copy on node 0" in logs["a"].read_text(), said()
+    assert summary["param_sha256"] == ref["param_sha256"]
