@@ -440,8 +440,10 @@ def test_run_dir_checks_say_where_local_outputs_stay_and_check_a_ckpt_dir_folder
     from ddp_kit.errors import UserError
     from ddp_kit.run_folder import RunDir
 
-    lock = prepare_run_dir(_alone(), RunDir(tmp_path / "run", "s3://bucket/run"))
+    lock, run = prepare_run_dir(_alone(), RunDir(tmp_path / "run", "s3://bucket/run"))
     lock.release()
+    # the run's identity is made once and kept in its folder: the same on the next start
+    assert len(run) == 32 and prepare_run_dir(_alone(), RunDir(tmp_path / "run", "s3://bucket/run"))[1] == run
     out = capsys.readouterr().out
     assert "ddp_kit: checkpoints go to s3://bucket/run (ckpt_dir); metrics.jsonl, summary.json and hang reports stay in" in out
     assert str(tmp_path / "run") in out
