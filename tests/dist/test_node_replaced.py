@@ -41,8 +41,8 @@ def hosts():
         yield {h.name: h for h in made}
 
 
-def agent(host: netns.Host, run_dir: Path, mem: Path, log: Path) -> subprocess.Popen:
-    env = proc_env({"NNODES": "2", "NPROC_PER_NODE": "1", "RDZV_HOST": "nodea", "RDZV_PORT": "29513",
+def agent(host: netns.Host, nproc: int, run_dir: Path, mem: Path, log: Path) -> subprocess.Popen:
+    env = proc_env({"NNODES": "2", "NPROC_PER_NODE": str(nproc), "RDZV_HOST": "nodea", "RDZV_PORT": "29513",
                     "RDZV_ID": "replaced", "MAX_RESTARTS": "2", "PYTHON": sys.executable, "DDP_KIT_MEM_DIR": str(mem),
                     "RDZV_CONF": "join_timeout=90,keep_alive_interval=1,keep_alive_max_attempt=2"})
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # launch/torchrun.sh sets it, as README asks
@@ -52,11 +52,11 @@ def agent(host: netns.Host, run_dir: Path, mem: Path, log: Path) -> subprocess.P
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def peer_copy_step(mem: Path) -> int:
-    """The newest complete copy of rank 1's state a node holds (0: none)."""
+def peer_copy_step(mem: Path, rank: int) -> int:
+    """The newest complete copy of `rank`'s state a node holds (0: none)."""
     steps = [0]
     for manifest in mem.rglob("manifest.json") if mem.exists() else ():
-        if not manifest.parent.name.startswith("peer-r1-"):
+        if not manifest.parent.name.startswith(f"peer-r{rank}-"):
             continue
         try:
             steps.append(int(json.loads(manifest.read_text())["step"]))
@@ -77,12 +77,13 @@ def lose(host: netns.Host) -> None:
         time.sleep(0.2)
 
 
-def test_a_node_replaced_whole_rejoins_and_the_job_ends_bit_identical(hosts, tmp_path, reference_summary):
-    ref = reference_summary(2, REFERENCE_2_EPOCHS)
+@pytest.mark.parametrize("nproc", [1, 2])  # 2: the survivor's rank 1 and the fresh node's ranks 2, 3 meet too
+def test_a_node_replaced_whole_rejoins_and_the_job_ends_bit_identical(hosts, tmp_path, reference_summary, nproc):
+    ref = reference_summary(2 * nproc, REFERENCE_2_EPOCHS)
     run_dir, mem_a, mem_b = tmp_path / "run", tmp_path / "mem_a", tmp_path / "mem_b"
     logs = {"a": tmp_path / "nodea.log", "b1": tmp_path / "nodeb_lost.log", "b2": tmp_path / "nodeb_fresh.log"}
-    first_a = agent(hosts["nodea"], run_dir, mem_a, logs["a"])
-    lost_b = agent(hosts["nodeb"], run_dir, mem_b, logs["b1"])
+    first_a = agent(hosts["nodea"], nproc, run_dir, mem_a, logs["a"])
+    lost_b = agent(hosts["nodeb"], nproc, run_dir, mem_b, logs["b1"])
     procs = [first_a, lost_b]
 
     def said() -> str:
@@ -90,12 +91,15 @@ def test_a_node_replaced_whole_rejoins_and_the_job_ends_bit_identical(hosts, tmp
 
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and first_a.poll() is None and peer_copy_step(mem_a) < 6:
+        def held() -> int:  # the newest step node A holds a copy of for every rank of node B
+            return min(peer_copy_step(mem_a, rank) for rank in range(nproc, 2 * nproc))
+
+        while time.monotonic() < deadline and first_a.poll() is None and held() < 6:
             time.sleep(0.2)
-        assert peer_copy_step(mem_a) >= 6, f"node A never held a copy of rank 1's state\n{said()}"
+        assert held() >= 6, f"node A never held a copy of node B's state\n{said()}"
         lose(hosts["nodeb"])
         shutil.rmtree(mem_b, ignore_errors=True)  # the node's memory goes with it
-        fresh_b = agent(hosts["nodeb"], run_dir, mem_b, logs["b2"])
+        fresh_b = agent(hosts["nodeb"], nproc, run_dir, mem_b, logs["b2"])
         procs.append(fresh_b)
         for p in (first_a, fresh_b):
             p.wait(timeout=max(1.0, deadline + 120 - time.monotonic()))
