@@ -338,7 +338,7 @@ def _step_time(a: _Raw, resumed: int | None, last_step: int | None, blocking: fl
         if not (_num(k) and _num(w) and _num(s)) or k <= 0:
             continue
         inside = prefix[bisect_left(steps_at, s)] - prefix[bisect_left(steps_at, s - k)]
-        busy += max(0.0, w - inside)
+        busy += max(0.0, w - inside - _f(r.get("mem_s")))  # the memory tier's waits in the window
         count += min(k, s - resumed) if resumed is not None and s > resumed else k
     if count > 0 and busy > 0:
         return busy / count
@@ -402,7 +402,8 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
         later = [r for r in resumed[i + 1:] if r is not None]
         kept = min(max(min(later), r0), d) - r0 if later and r0 is not None and d is not None else n
         kept = max(0, min(kept, n))
-        blocking = sum((_f(r.get("blocking_s")) for r in a.of("checkpoint")), 0.0)
+        blocking = (sum((_f(r.get("blocking_s")) for r in a.of("checkpoint")), 0.0)
+                    + sum((_f(r.get("mem_s")) for r in a.of("progress")), 0.0))  # the memory tier's waits
         evaluating = sum((_f(r.get("seconds")) for r in a.of("eval")), 0.0)
         pausing = sum((_f(r.get("paused_s")) for r in a.of("replica_pause")), 0.0)
         st = _step_time(a, r0, d, blocking, evaluating, pausing)

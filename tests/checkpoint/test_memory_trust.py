@@ -2,6 +2,7 @@
 a root another user can write into is refused; a new run at the same place never resumes an old run's
 copy; a step resumed from memory at the end is saved durably; a job in another pid namespace keeps its
 copies; a peer copy one node cannot take costs one warning, not a stalled job."""
+import json
 import os
 import shutil
 import subprocess
@@ -59,6 +60,9 @@ def test_a_new_run_at_the_same_place_never_resumes_the_old_runs_copy(tmp_path, r
     assert read_json(run / "summary.json")["resumed_from_step"] is None
     assert read_json(run / "summary.json")["param_sha256"] == reference_summary(2, REFERENCE_2_EPOCHS)["param_sha256"]
     assert [p.name for p in mem.iterdir()] == ["node_id"]  # the old run's folder went with the new run's start
+    # the loop's waits for the tier are in the ledger's log windows (status books them as checkpoint time)
+    windows = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines() if '"progress"' in line]
+    assert any(w.get("mem_s", 0) > 0 for w in windows), windows
 
 
 def test_the_final_step_resumed_from_memory_is_saved_durably(tmp_path, reference_summary):

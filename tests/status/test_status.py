@@ -347,3 +347,15 @@ def test_a_refused_restart_is_the_state_not_an_attempt():
     assert run.wall_s == 115.0 - 98.0  # first launch to the last attempt's end; the refusals trained nothing
     records[-1]["why"] = records[-2]["why"] = "crash_loop"
     assert account(records, now=200.0).state == "crash loop"
+
+
+def test_the_memory_tiers_waits_are_checkpoint_time_not_goodput(tmp_path):
+    """CLEAN with the memory tier on: each log window says how long the loop waited for it (mem_s)."""
+    records = [dict(r) for r in CLEAN]
+    records[3]["mem_s"] = 0.5  # window 1: 10 s, of which 0.5 s the memory tier
+    records[5]["mem_s"] = 1.5  # window 2: 12 s, 2 s the durable checkpoint and 1.5 s the memory tier
+    run = load(_write(tmp_path, records), now=5000.0)
+    _adds_up(run)
+    assert run.badput["checkpoint"] == pytest.approx(2.0 + 0.5 + 1.5)
+    # steps: (10 - 0.5 + 12 - 2 - 1.5) s over 20 steps = 0.9 s a step: 18 s of goodput, not 20
+    assert run.attempts[0].step_time_s == pytest.approx(0.9) and run.goodput_s == pytest.approx(18.0)

@@ -389,6 +389,10 @@ class StepBoundary:
             self._mem = MemoryTier(self.ctx, tier_location(self.checkpointer()), self.resources.run_id or "")
         return self._mem
 
+    def memory_blocking(self) -> float:
+        """Seconds the loop waited for the memory tier since the last call (0 without one)."""
+        return self._mem.take_blocking() if self._mem is not None else 0.0
+
     def save_memory(self) -> None:
         """A memory-tier copy of everything registered at this step (collective: every rank at once)."""
         if self.rd is not None and self.state and self.steps.saved != self.steps.done:

@@ -95,6 +95,9 @@ class MetricsRecords:
         b.write(record)
         t1, s1 = max(self.last_log, self.first_step)  # the window, less the start-up before the first step
         window = {"event": "progress", "step": done, "window_s": round(now - t1, 4), "steps": done - s1}
+        mem_s = b.memory_blocking()  # the memory tier's waits: checkpoint time, not steps
+        if mem_s:
+            window["mem_s"] = round(mem_s, 4)
         if ranks:  # the rank whose own work (not its waits) was slowest in this window
             slowest = max(ranks, key=lambda x: x.get("local_s", 0.0))
             window.update(slowest_rank=slowest["rank"], slowest_host=slowest.get("host"))

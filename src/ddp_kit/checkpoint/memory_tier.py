@@ -198,7 +198,8 @@ class MemoryTier:
         self.lost: list[str] = []  # copies lost since the last save (said once, at the next save)
         self._failing = False  # the last copy was lost and said: a run of losses is said once
         self.sized = False
-        self.blocking_s: list[float] = []
+        self.blocking_s: list[float] = []  # each save's: what the loop waited for it
+        self._unlogged_s = 0.0  # the loop's waits since the last `take_blocking`
 
     def continues_from(self, step: int | None) -> None:
         """The step this attempt resumed from (any tier), recorded in each copy's lineage."""
@@ -259,6 +260,7 @@ class MemoryTier:
                                         name=f"ddp_kit-mem-{step}", daemon=True)
         self._thread.start()
         self.blocking_s.append(time.monotonic() - started)
+        self._unlogged_s += self.blocking_s[-1]
 
     def wait_copy(self) -> None:
         """Hold the caller (the optimizer step) until the last save's copy is whole; the wait counts as blocking."""
@@ -267,7 +269,13 @@ class MemoryTier:
             started = time.monotonic()
             copying.wait()
             self.blocking_s[-1] += time.monotonic() - started
+            self._unlogged_s += time.monotonic() - started
         self.copying = None
+
+    def take_blocking(self) -> float:
+        """The seconds the loop waited for the tier since the last call (a log window's share)."""
+        taken, self._unlogged_s = self._unlogged_s, 0.0
+        return taken
 
     def _check_room(self, nbytes: int, say: Callable[[str], None]) -> None:
         """Once: print what the tier holds per node, and refuse (every rank together) when it cannot fit
