@@ -306,3 +306,18 @@ def test_a_planted_link_is_replaced_never_written_through(tmp_path):
     _mapped(folder / mc.DATA, 128)
     assert victim.read_text() == "keep"
     assert not (folder / mc.MANIFEST).is_symlink() and not (folder / mc.DATA).is_symlink()
+
+
+def test_room_counts_a_containers_memory_limit(tmp_path):
+    """A pod's tmpfs pages count against its memory limit, which statvfs does not show: the room is the
+    smaller of the two (cgroup v2's memory.max less memory.current)."""
+    from ddp_kit.checkpoint.memory_tier import _room
+
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("1073741824\n")
+    (cgroup / "memory.current").write_text("1000000000\n")
+    assert _room(tmp_path, cgroup) == 1073741824 - 1000000000
+    (cgroup / "memory.max").write_text("max\n")  # no limit: the tmpfs's own free space
+    st = os.statvfs(tmp_path)
+    assert abs(_room(tmp_path, cgroup) - st.f_bavail * st.f_frsize) < 1 << 26

@@ -283,6 +283,7 @@ def test_master_address_is_never_hard_coded(capsys):
     (dict(engine="trainjob", port=23456), "--port 23456: a TrainJob's torch plugin always uses port 29500"),
     (dict(engine="volcano", grace_period_s=0), "--grace_period_s 0 is not a whole number >= 1"),
     (dict(engine="volcano", image=None), "--image is required"),
+    (dict(engine="volcano", shm_size="16G"), "--shm_size '16G' is not a size like 16Gi"),
 ])
 def test_bad_flags_are_one_line(flags, start):
     with pytest.raises(UserError) as err:

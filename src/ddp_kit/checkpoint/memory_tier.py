@@ -77,15 +77,15 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
 
 
-def _room(folder: Path) -> int:
+def _room(folder: Path, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """Bytes this process can still put in `folder`'s tmpfs: its free space, and, in a container with a
     memory limit (cgroup v2), what the limit leaves: tmpfs pages count against it, and statvfs does not
     show that (a pod's memory volume without a sizeLimit reports the node's memory)."""
     st = os.statvfs(folder)
     free = st.f_bavail * st.f_frsize
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        limit = (cgroup / "memory.max").read_text().strip()
+        used = int((cgroup / "memory.current").read_text())
         if limit != "max":
             free = min(free, max(int(limit) - used, 0))
     except (OSError, ValueError):

@@ -34,6 +34,7 @@ GRACE_ENV = "DDP_KIT_GRACE_PERIOD_S"
 TRAINJOB_PORT = 29500  # the torch plugin's constants.ContainerTrainerPort: fixed, not configurable
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "k8s"
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035 label: pod hostnames are built from it
+_QUANTITY = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)$")  # a binary Kubernetes quantity: what a sizeLimit takes here
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class K8sJob:
     max_restarts: int
     max_preemptions: int
     train_args: tuple[str, ...]
+    shm_size: str = "16Gi"  # the pod's /dev/shm (DataLoader workers, the memory tier): counted in its memory
 
 
 def _positive(flag: str, value, minimum: int = 1) -> int:
@@ -64,7 +66,8 @@ def _positive(flag: str, value, minimum: int = 1) -> int:
 
 
 def check(engine: str, layout: str, nodes, nproc_per_node, gpus_per_node, image, pvc, run_dir, mount_path,
-          grace_period_s, name, namespace, port, max_restarts, max_preemptions, train_args) -> K8sJob:
+          grace_period_s, name, namespace, port, max_restarts, max_preemptions, train_args,
+          shm_size: str = "16Gi") -> K8sJob:
     """The flags as a K8sJob, or a UserError naming the first flag at fault."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r}", f"use --engine {' or '.join(ENGINES)}")
@@ -115,9 +118,11 @@ def check(engine: str, layout: str, nodes, nproc_per_node, gpus_per_node, image,
                         "give --run_dir once, before the --")
     if not given:
         train_args += ("--run_dir", run_dir)
+    if not isinstance(shm_size, str) or not _QUANTITY.match(shm_size):
+        raise UserError(f"--shm_size {shm_size!r} is not a size like 16Gi", "pass e.g. --shm_size 16Gi (Ki, Mi, Gi or Ti)")
     return K8sJob(engine, layout, nodes, nproc, gpus, image, pvc, run_dir, str(mount), grace, name, namespace, port,
                   _positive("max_restarts", max_restarts, 0), _positive("max_preemptions", max_preemptions, 0),
-                  train_args)
+                  train_args, shm_size)
 
 
 def _script(name: str) -> str:
@@ -186,8 +191,10 @@ def pod_spec(job: K8sJob, containers: list[dict], restart_policy: str | None = "
     spec["volumes"] = [
         # run_dir lives on this claim: every pod, and every restart, sees the same checkpoints.
         {"name": "ckpt", "persistentVolumeClaim": {"claimName": job.pvc}},
-        # DataLoader workers pass batches through /dev/shm, which is 64 MiB in a container by default.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # DataLoader workers pass batches through /dev/shm, which is 64 MiB in a container by default, and the
+        # memory tier keeps its copies there. Its pages count against the pod's memory; with a sizeLimit the tmpfs
+        # is that size, so the tier's room check sees the limit (without one it sees the node's memory).
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": job.shm_size}},
     ]
     return spec
 
@@ -313,10 +320,11 @@ def k8s(*train_args: str, engine: str = "trainjob", layout: str = "torchrun", no
         nproc_per_node: int | None = None, gpus_per_node: int | None = None, image: str | None = None,
         pvc: str | None = None, run_dir: str | None = None, mount_path: str | None = None,
         grace_period_s: int = 120, name: str = "ddp-kit", namespace: str | None = None, port: int = 29500,
-        max_restarts: int = 3, max_preemptions: int = 20, dry_run: bool = False, out_dir: str = ".ddp_kit") -> None:
+        max_restarts: int = 3, max_preemptions: int = 20, shm_size: str = "16Gi", dry_run: bool = False,
+        out_dir: str = ".ddp_kit") -> None:
     """Render templates/k8s/<engine>.yaml and apply it with kubectl (or print it with --dry_run)."""
     job = check(engine, layout, nodes, nproc_per_node, gpus_per_node, image, pvc, run_dir, mount_path,
-                grace_period_s, name, namespace, port, max_restarts, max_preemptions, train_args)
+                grace_period_s, name, namespace, port, max_restarts, max_preemptions, train_args, shm_size)
     manifest = render_k8s(job, command_line(job))
     if dry_run:
         print(manifest, end="")
@@ -347,5 +355,6 @@ def command_line(job: K8sJob) -> str:
         flags += ["--namespace", job.namespace]
     if job.engine != "trainjob":
         flags += ["--port", str(job.port)]
-    flags += ["--max_restarts", str(job.max_restarts), "--max_preemptions", str(job.max_preemptions)]
+    flags += ["--max_restarts", str(job.max_restarts), "--max_preemptions", str(job.max_preemptions),
+              "--shm_size", job.shm_size]
     return shlex.join(["python", "-m", "ddp_kit.launch", "k8s", *flags, "--", *job.train_args])
