@@ -6,14 +6,18 @@ its namespace SIGKILLed, its memory folder removed) and a fresh agent starts the
 torchrun counts restarts per agent (TORCHELASTIC_RESTART_COUNT, pytorch/pytorch#108158): the survivor's
 rank is at attempt 1, the fresh node's at attempt 0. ddp_kit named its rendezvous keys after that count,
 so the two ranks looked for each other under different keys, each waited init_timeout_s and failed, at
-every restart. Keyed by the rendezvous round, the job resumes from the copy of rank 1's state that node A
-holds and ends bit-identical to an uninterrupted run."""
+every restart. Keyed by the rendezvous round, the job resumes from the copy of node B's state that node A
+holds and ends bit-identical to an uninterrupted run.
+
+The same counts apart, elastically: a node joins a job whose first node torchrun restarted once (two agents
+on loopback, NNODES=1:2, as tests/dist/test_elastic.py)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -117,3 +121,79 @@ def test_a_node_replaced_whole_rejoins_and_the_job_ends_bit_identical(hosts, tmp
     assert resumed and resumed >= 6, summary
     assert "resumed from the peer copy on node 0" in logs["a"].read_text(), said()
     assert summary["param_sha256"] == ref["param_sha256"]
+
+
+# ---- a node joins an elastic job whose first node torchrun restarted: agents at counts 1 and 0 ----
+GROW_STEPS = 600
+# Rank 0 kills itself at step 3 of the first attempt (torchrun restarts node 1: its count is 1), and
+# trains 40 ms a step on every attempt, so that node 2 joins mid-run on a loaded machine.
+GROW_ARGS = ["--max_steps", str(GROW_STEPS), "--epochs", "30", "--log_every", "1", "--ckpt_every", "1000", "--progress", "false",
+             "--eval_every_epoch", "false", "--inject", "kill:rank=0:step=3,slow:rank=0:step=1:ms=40:always=1",
+             "--hang_timeout_s", "60", "--init_timeout_s", "30"]
+
+
+def local_agent(run_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    env = proc_env({"NNODES": "1:2", "NPROC_PER_NODE": "1", "RDZV_HOST": "127.0.0.1", "RDZV_PORT": str(port),
+                    "RDZV_ID": "grow_after_restart", "MAX_RESTARTS": "1", "PYTHON": sys.executable,
+                    "RDZV_CONF": "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"})
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    with open(log, "w") as out:
+        return subprocess.Popen(["bash", str(ROOT / "launch" / "torchrun.sh"), *GROW_ARGS, "--run_dir", str(run_dir)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def starts(run_dir: Path) -> int:
+    path = run_dir / "attempts.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return sum(1 for line in lines if line and json.loads(line).get("event") == "start")
+
+
+def kill_session(p: subprocess.Popen) -> None:
+    """The agent and its workers: torchrun starts each worker in a session of its own, so every process
+    whose parent chain leads to the agent."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    tree, frontier = [p.pid], [p.pid]
+    while frontier:
+        frontier = [child for child, ppid in parent.items() if ppid in frontier]
+        tree += frontier
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_node_joins_after_torchrun_restarted_the_first(tmp_path):
+    """torchrun counts restarts per agent: the first node's worker is at 1 after its restart, the
+    joining node's at 0, and the job grows anyway. Keys named after the count never met."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    first = local_agent(run_dir, port, tmp_path / "node1.log")
+    procs = [first]
+    deadline = time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline and first.poll() is None and starts(run_dir) < 2:
+            time.sleep(0.2)
+        assert starts(run_dir) == 2, "node 1 was not restarted\n" + (tmp_path / "node1.log").read_text()[-3000:]
+        procs.append(local_agent(run_dir, port, tmp_path / "node2.log"))
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline + 90 - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_session(p)
+                p.wait()
+    outs = "\n=====\n".join(f"{log.name}:\n{log.read_text()[-3000:]}" for log in sorted(tmp_path.glob("node*.log")))
+    assert [p.returncode for p in procs] == [0, 0], outs
+    summary = read_json(run_dir / "summary.json")
+    assert summary["world_size"] == 2 and summary["steps"] == GROW_STEPS and summary["resumed_from_step"], summary

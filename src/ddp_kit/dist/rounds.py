@@ -54,7 +54,10 @@ def _follow(store: Any, rank: int, timeout_s: float) -> str:
         raise TimeoutError(f"rank 0 did not answer within {timeout_s:g}s ({exc})") from None
     token = _text(store.get(answer))
     store.set(f"{KEYS}ack/{token}/{rank}", nonce)
-    store.delete_key(answer)  # read once; a store that lives across rounds keeps no more than it must
+    try:
+        store.delete_key(answer)  # read once; a store that lives across rounds keeps no more than it must
+    except Exception:
+        pass  # hygiene only
     return token
 
 
