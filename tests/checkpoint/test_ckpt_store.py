@@ -810,3 +810,34 @@ def test_a_cached_file_is_vouched_for_only_once_its_new_bytes_are_verified(tmp_p
     assert not cached.exists() or steps._read_verified(cached.parent).get("model.pt") != manifest["files"]["model.pt"]["sha256"]
     assert steps.fetch(ck.store, "step_3", cached.parent, manifest) == "model.pt is missing"
     ck.close()
+
+
+def test_a_store_that_does_not_answer_during_a_download_is_not_a_damaged_step(tmp_path, monkeypatch):
+    """A download that times out (or is refused, or throttled) says nothing about the step: fetch raises
+    it for the caller's verdict (retryable at resume) instead of calling the step unusable, which would
+    send the resume to an older step."""
+    import tempfile
+
+    from ddp_kit.checkpoint import steps
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ck = ObjectStoreCheckpointer(_alone(), _url())
+    _save(ck, 3, value=1.0)
+    ck.wait()
+    manifest = steps.read_manifest(ck.store, "step_3")
+
+    def slow(*_):
+        raise OSError(110, "Read timed out")  # ETIMEDOUT, as a client reports it
+
+    monkeypatch.setattr(type(ck.store), "get", slow)
+    with pytest.raises(OSError, match="timed out"):
+        steps.fetch(ck.store, "step_3", tmp_path / "cache" / "step_3", manifest)
+
+    def full(*_):
+        raise OSError(28, "No space left on device")  # the local disk: this step is not usable here
+
+    monkeypatch.setattr(type(ck.store), "get", full)
+    said = steps.fetch(ck.store, "step_3", tmp_path / "cache" / "step_3", manifest)
+    assert said is not None and "cannot be downloaded" in said
+    ck.close()

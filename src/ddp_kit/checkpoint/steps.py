@@ -186,6 +186,9 @@ def fetch(storage: Storage, name: str, dest: Path, manifest: dict[str, Any], wan
             except FileNotFoundError:
                 return f"{n} is missing"
             except OSError as exc:  # a name the local disk cannot hold, a full disk: this step is not usable here
+                from .store_fs import unreachable
+                if unreachable(exc):  # the store did not answer: nothing is wrong with this step (the caller's verdict)
+                    raise
                 return f"{n} cannot be downloaded ({type(exc).__name__}: {exc.strerror or exc})"
             finally:
                 part.unlink(missing_ok=True)
