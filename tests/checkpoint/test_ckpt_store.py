@@ -841,3 +841,47 @@ def test_a_store_that_does_not_answer_during_a_download_is_not_a_damaged_step(tm
     said = steps.fetch(ck.store, "step_3", tmp_path / "cache" / "step_3", manifest)
     assert said is not None and "cannot be downloaded" in said
     ck.close()
+
+
+def test_an_exited_holder_whose_torchrun_agent_lives_is_not_taken_at_once():
+    """Between two attempts of a torchrun job its workers are gone but its agent lives and will restart them:
+    a second job on this host must watch that lease (the restart renews it), not take it at once."""
+    import os
+
+    from ddp_kit.checkpoint.lease import _start_time, gone_why, identity
+
+    me = identity(None, None, launch="torchrun other")
+    dead = max(int(open("/proc/sys/kernel/pid_max").read()) - 1, 2)  # no process this high on a test machine
+    holder = {**identity(None, None, launch="torchrun abc"), "pid": dead, "start": "1"}
+    holder.update(parent=os.getpid(), parent_start=_start_time(os.getpid()))  # the agent: alive
+    assert gone_why(holder, me) is None
+    holder.update(parent=dead, parent_start="1")  # the agent gone too: nothing will restart it
+    assert "which has exited" in (gone_why(holder, me) or "")
+    plain = {**holder, "launch": "process x", "parent": os.getpid(), "parent_start": _start_time(os.getpid())}
+    assert "which has exited" in (gone_why(plain, me) or "")  # a plain process has no restarter
+
+
+def test_a_resume_whose_download_times_out_is_retryable_not_a_changed_checkpoint(tmp_path, monkeypatch):
+    """Loading a chosen step, the store stops answering: one line naming the endpoint, exit 1 (retryable),
+    not 'changed while the ranks read it' and not a program error the repeat rule would make final."""
+    import tempfile
+
+    from ddp_kit.checkpoint import steps
+    from ddp_kit.checkpoint.backend import Found
+    from ddp_kit.checkpoint.object_store import ObjectStoreCheckpointer
+    from ddp_kit.errors import Unavailable
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = _url()
+    ck = ObjectStoreCheckpointer(_alone(), url)
+    _save(ck, 3, value=1.0)
+    ck.wait()
+
+    def timed_out(*_, **__):
+        raise OSError(110, "Read timed out")
+
+    monkeypatch.setattr(steps, "fetch", timed_out)
+    with pytest.raises(Unavailable) as err:
+        ck.load(Found(f"{url}/step_3", 3))
+    assert err.value.exit_code == 1 and "did not answer" in err.value.line()
+    ck.close()

@@ -318,6 +318,26 @@ def test_room_counts_a_containers_memory_limit(tmp_path):
     (cgroup / "memory.max").write_text("1073741824\n")
     (cgroup / "memory.current").write_text("1000000000\n")
     assert _room(tmp_path, cgroup) == 1073741824 - 1000000000
+    # 500 MB of it page cache (given back under pressure), 100 MB of that the tmpfs's (shmem: never)
+    (cgroup / "memory.stat").write_text("anon 400000000\nfile 500000000\nshmem 100000000\n")
+    assert _room(tmp_path, cgroup) == 1073741824 - 1000000000 + 400000000
     (cgroup / "memory.max").write_text("max\n")  # no limit: the tmpfs's own free space
     st = os.statvfs(tmp_path)
     assert abs(_room(tmp_path, cgroup) - st.f_bavail * st.f_frsize) < 1 << 26
+
+
+def test_a_folder_removed_under_the_job_is_made_again_at_the_next_save(tmp_path, capsys):
+    """A cleanup (systemd's RemoveIPC, a hand rm -rf) removes the job's folder while it trains: the save after
+    it makes the folder again and copies, instead of failing or "saving" into files that no longer exist."""
+    import shutil
+
+    from ddp_kit.checkpoint.memory_tier import MemoryTier
+
+    tier = MemoryTier(one_rank(), "/ckpt", "run", root=tmp_path)
+    tier.save(3, {"shared": {"w": torch.ones(8)}}, {}, lambda msg: None)
+    tier.wait()
+    shutil.rmtree(tier.dir)
+    tier.save(6, {"shared": {"w": torch.full((8,), 6.0)}}, {}, lambda msg: None)
+    tier.close(clean=False)
+    found = MemoryTier(one_rank(), "/ckpt", "run", root=tmp_path).find(after=None, warn=print)
+    assert found is not None and found.step == 6, capsys.readouterr().out

@@ -142,3 +142,21 @@ def test_a_peer_copy_one_node_cannot_take_costs_one_warning(tmp_path, reference_
     assert len(warned) == 1, result[1][1][-3000:]
     assert took < 100, f"{took:.0f}s: a side waited for a copy that never came"
     assert read_json(run / "summary.json")["param_sha256"] == reference_summary(2, REFERENCE_2_EPOCHS)["param_sha256"]
+
+
+def test_latest_never_names_a_step_only_memory_holds(tmp_path, reference_summary):
+    """Resumed from memory at step 12 (durable: 10), the attempt dies again before any durable save: `latest`
+    still names step_10, which exists, and the next attempt resumes step 12 from memory again."""
+    mem, run = tmp_path / "shm", tmp_path / "run"
+    env = {"DDP_KIT_MEM_DIR": str(mem)}
+    first = torchrun(["-m", "ddp_kit.train", *ARGS, "--inject", KILL, "--run_dir", str(run)], env=env)
+    assert first.returncode != 0
+    again = torchrun(["-m", "ddp_kit.train", *ARGS, "--inject", "kill:rank=1:step=13:always=1", "--run_dir", str(run)],
+                     env=env)
+    assert again.returncode != 0 and "of step 12" in again.stdout, again.stdout[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
+    last = ok(torchrun(["-m", "ddp_kit.train", *ARGS, "--run_dir", str(run)], env=env))
+    assert "of step 12" in last.stdout, last.stdout[-3000:]
+    summary = read_json(run / "summary.json")
+    assert summary["resumed_from_step"] == 12
+    assert summary["param_sha256"] == reference_summary(2, REFERENCE_2_EPOCHS)["param_sha256"]

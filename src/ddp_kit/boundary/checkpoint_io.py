@@ -41,7 +41,7 @@ def archive_folder(ckpt: CheckpointBackend, rd: RunDir) -> str | Path:
 
 def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fresh_start: bool,
                     resumed_from: int | None, resumed_path: Path | str | None, say: Callable[[str], None],
-                    from_memory: bool = False) -> None:
+                    from_memory: bool = False, durable: int | None = None) -> None:
     """One lineage per run folder: a fresh start (resume='never') or a resume from an older
     checkpoint moves what it abandons (higher steps, their metrics) to run_dir/archive/<time>/.
     Rank 0 only."""
@@ -49,11 +49,14 @@ def archive_lineage(ckpt: CheckpointBackend, rd: RunDir, writer: RunWriter, fres
         if ckpt.latest() is None:
             writer.supersede(None, rd.archive)  # a first run: earlier metrics without checkpoints are not ours
         return
-    # The memory tier's copies are this location's lineage by construction (memory_tier.job_key).
+    # The memory tier's copies are this location's lineage by construction (memory_tier.job_key); `durable`:
+    # the durable tier's newest step when the resume came from memory.
     ours = resumed_from is not None and (from_memory or resumed_path is not None and ckpt.owns(Found(resumed_path, resumed_from)))
     # A checkpoint from another folder starts a new lineage here: whatever this folder held is abandoned.
     into = archive_folder(ckpt, rd)
-    moved = ckpt.archive(resumed_from if ours else None, into)
+    # A step resumed from memory is not on the durable tier (yet): `latest` keeps naming the durable step.
+    keep = (durable if from_memory else resumed_from) if ours else None
+    moved = ckpt.archive(keep, into)
     writer.supersede(resumed_from if ours else None, rd.archive)
     if moved:
         say(f"ddp_kit: moved checkpoint(s) {', '.join(step_name(s) for s in moved)} of an abandoned run "

@@ -36,6 +36,7 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
     durable: int | None = None  # the durable tier's newest step, when the memory tier was asked first
     tiered = not live and bool(b.policy.mem_ckpt_every) and b.rd is not None
     if tiered:
+        ckpt.claim()  # one writer: before the memory tier's cleanup and a resume that never calls find
         tier = b.memory_tier()
         if b.policy.resume == "auto":  # newer than the durable step, on every rank: a copy in memory
             known, durable = _durable_latest(b, ckpt)
@@ -57,7 +58,7 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
             hook.restored_from_disk(b)
     if b.ctx.is_main and b.rd is not None and b.writer is not None and not live:  # a live recovery continues the run's own lineage
         archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.steps.resumed_from, b.steps.resumed_path, b.say,
-                        from_memory=mem is not None)
+                        from_memory=mem is not None, durable=durable)
     if b.policy.ckpt_every == 0 and b.rd is not None:
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "

@@ -81,6 +81,10 @@ class CheckpointBackend(Protocol):
         """The saves committed since the last call, oldest first: {"step", "blocking_s" (the loop's
         wait in save), "commit_s" (from save to the commit)} (boundary/grace_period.py records them)."""
 
+    def claim(self) -> None:
+        """Take the location's one-writer lease now (collective; once): before anything else reads or
+        writes the run's state, e.g. a resume from the memory tier, which never calls find."""
+
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
         """The step to resume from (collective): "auto" the newest valid one (at most `latest`, damaged
         ones reported through `warn`), "never" None, else the named step, refused in one line if invalid."""

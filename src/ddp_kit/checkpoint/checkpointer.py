@@ -364,6 +364,12 @@ class Checkpointer:
 
     # ---- finding and loading -------------------------------------------------------------------------
 
+    def claim(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        """Where a location has a one-writer lease, take it (collective, once); a plain folder has none."""
+
     def find(self, resume: str, warn: Callable[[str], None]) -> Found | None:
         """Rank 0 picks the checkpoint to resume from (auto: newest valid); every rank gets its choice."""
         value = rank0_verdict(self.ctx, lambda: steps.choose(self.storage, resume, warn, None))

@@ -96,7 +96,10 @@ def identity(job_id: str | None, batch_job_id: str | None, restart_count: int = 
     return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
             "pidns": pidns, "start": _start_time(os.getpid()),
             "job_id": job_id if job_id not in (None, "", "none") else None, "batch_job_id": batch_job_id or None,
-            "restart_count": int(restart_count or 0), "launch": launch or None}
+            "restart_count": int(restart_count or 0), "launch": launch or None,
+            # the launcher that may restart this process (torchrun's agent): while it lives, an exited holder
+            # is between two attempts of its job, not gone
+            "parent": os.getppid(), "parent_start": _start_time(os.getppid())}
 
 
 def newest(store: Store) -> tuple[int, dict[str, Any]] | None:
@@ -153,6 +156,9 @@ def gone_why(record: dict[str, Any], me: dict[str, Any]) -> str | None:
     if me.get("launch") and record.get("launch") == me["launch"] and not _is_me(record, me):
         return f"an earlier attempt of this job (launch {me['launch']})"  # a torchrun restart, a requeue
     if here:
+        parent = {"pid": record.get("parent"), "start": record.get("parent_start")}
+        if str(record.get("launch") or "").startswith("torchrun") and _alive(parent):
+            return None  # its agent lives: a restart of that job is coming (watch it, as any live holder)
         return f"process {record.get('pid')} on this host, which has exited"
     return None
 

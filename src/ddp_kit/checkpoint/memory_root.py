@@ -6,8 +6,8 @@ jobs' folders are alive.
                               every user's: a shared root would let anyone plant a copy a job then resumes,
                               or a link a job then writes through.
     <root>/node_id            this node's identity (made once): which copies a rank can read
-    <root>/<job>/.alive       every live process of the job holds a shared flock on it and touches it at
-                              each save
+    <root>/<job>/.alive       every live process of the job holds a shared flock on it and touches it
+                              every RENEW_S while it runs
 
 A job's folder is abandoned, and removed by the next job that opens the tier on the node, when no
 process holds its lock and it was last touched more than KEEP_S ago. A lock is the kernel's, so it
@@ -31,6 +31,7 @@ from pathlib import Path
 ENV_DIR = "DDP_KIT_MEM_DIR"
 ALIVE = ".alive"
 KEEP_S = 900.0  # an unheld folder touched this recently may be a job between two attempts
+RENEW_S = 60.0  # how often a live job touches its folder (a cleaner counts KEEP_S from the last touch)
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 

@@ -81,13 +81,23 @@ def _room(folder: Path, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """Bytes this process can still put in `folder`'s tmpfs: its free space, and, in a container with a
     memory limit (cgroup v2), what the limit leaves: tmpfs pages count against it, and statvfs does not
     show that (a pod's memory volume without a sizeLimit reports the node's memory)."""
-    st = os.statvfs(folder)
+    try:
+        st = os.statvfs(folder)
+    except OSError:  # the folder is gone (removed under the job): no room until it is made again
+        return 0
     free = st.f_bavail * st.f_frsize
     try:
         limit = (cgroup / "memory.max").read_text().strip()
         used = int((cgroup / "memory.current").read_text())
         if limit != "max":
-            free = min(free, max(int(limit) - used, 0))
+            # The page cache of files read is counted in memory.current but given back under pressure;
+            # tmpfs pages (shmem, counted in `file` too) are not.
+            try:
+                stat = dict(line.split()[:2] for line in (cgroup / "memory.stat").read_text().splitlines() if " " in line)
+            except OSError:
+                stat = {}
+            reclaimable = max(int(stat.get("file", 0)) - int(stat.get("shmem", 0)), 0)
+            free = min(free, max(int(limit) - used + reclaimable, 0))
     except (OSError, ValueError):
         pass
     return free
@@ -149,6 +159,11 @@ class _Slot:
         self.buf, self.pinned = None, False
 
 
+def _keep_alive(closed: threading.Event, fd: Callable[[], int]) -> None:
+    while not closed.wait(mr.RENEW_S):
+        mr.renew(fd())
+
+
 def _wait_all(works: list[Any]) -> None:
     for w in works:
         w.wait()
@@ -197,6 +212,11 @@ class MemoryTier:
         self.error: BaseException | None = None  # the peer exchange's network failed: no more peer copies
         self.lost: list[str] = []  # copies lost since the last save (said once, at the next save)
         self._failing = False  # the last copy was lost and said: a run of losses is said once
+        self._reported = False  # this save's loss is said already
+        # The folder's lease on life: touched while the tier lives, not only at saves far apart.
+        self._closed = threading.Event()
+        threading.Thread(target=_keep_alive, args=(self._closed, lambda: self._alive), daemon=True,
+                         name="ddp_kit-mem-alive").start()
         self.sized = False
         self.blocking_s: list[float] = []  # each save's: what the loop waited for it
         self._unlogged_s = 0.0  # the loop's waits since the last `take_blocking`
@@ -226,6 +246,9 @@ class MemoryTier:
         if not self.sized:
             self._check_room(nbytes, say)
         started = time.monotonic()
+        if not self.dir.is_dir():  # removed under the job (a cleanup, RemoveIPC): hold a new one
+            os.close(self._alive)
+            self._alive = mr.hold(self.dir)
         mr.renew(self._alive)
         slot: _Slot | None = self.own[0 if self.last is None else 1 - self.last]
         assert slot is not None
@@ -251,6 +274,7 @@ class MemoryTier:
             self.last = self.own.index(slot)
         except CopyLost as exc:
             self.lost.append(f"its copy of step {step} ({exc})")
+            self._report()  # at once: the loop goes on without this copy
             slot = None
         self.copying = threading.Event()
         self._written = threading.Event()
@@ -311,8 +335,8 @@ class MemoryTier:
                         copying.set()
                     sealed = {**manifest, "sha256": mc.checksum(slot.buf)}
                     mc.write_manifest(slot.folder, sealed)  # the copy exists from here, whole and sealed
-                except OSError as exc:
-                    self.lost.append(f"its copy of step {step} ({exc.strerror or exc})")
+                except Exception as exc:  # local: a lost copy; the exchange below still runs for the partner
+                    self.lost.append(f"its copy of step {step} ({getattr(exc, 'strerror', None) or exc})")
                     slot.release()  # its folder or file may be gone: the next save maps a new one
                     sealed = None
             copying.set()
@@ -387,10 +411,16 @@ class MemoryTier:
                   f"({str(self.error).splitlines()[0][:160] if str(self.error) else type(self.error).__name__}); "
                   f"no more peer copies from this rank", flush=True)
             self.partner = None
-        if self.lost and not self._failing:
+        self._report()
+        self._failing, self.lost = bool(self.lost) or self._reported, []
+        self._reported = False
+
+    def _report(self) -> None:
+        """Say the copies lost so far, unless a run of losses was said already (once until one succeeds)."""
+        if self.lost and not self._failing and not self._reported:
             print(f"ddp_kit: warning: rank {self.ctx.rank}: the memory tier lost {'; '.join(self.lost)}; the copies "
                   f"before it and the durable tier still stand (said once until a copy succeeds again)", flush=True)
-        self._failing, self.lost = bool(self.lost), []
+            self._reported = True
 
     # ---- resume -----------------------------------------------------------------------------------
 
@@ -559,6 +589,7 @@ class MemoryTier:
             slot.release()
             if clean:
                 shutil.rmtree(slot.folder, ignore_errors=True)
+        self._closed.set()
         mr.leave(self.dir, self._alive, clean)
 
 

@@ -35,14 +35,14 @@ from typing import Any
 from ..dist import DistContext
 from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
 from ..dist.launch_token import launch_of
-from ..errors import UserError
+from ..errors import Unavailable, UserError
 from . import layout, steps
 from .backend import Found
 from .checkpointer import Checkpointer, _td
 from .lease import LEASE_TTL_S, LeaseKeeper, identity
 from .storage import Storage
 from .storage_folder import FolderStorage
-from .store_fs import Store, describe, open_store, refusal
+from .store_fs import Store, describe, open_store, refusal, unreachable
 
 UPLOADS = 4  # objects one rank sends at once
 UPLOAD_TRIES = 4  # per object; the pauses between tries double from BACKOFF_S (1, 2, 4 s)
@@ -69,10 +69,11 @@ def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError |
     location's lease (lease.py: another job writing here is refused before anything is written), then
     probe. Returns rank 0's lease keeper (None on the other ranks)."""
     if ctx.world_size > 1 and not all_true(ctx, problem is None):
-        mine = None if problem is None else (ctx.rank, socket.gethostname(), problem.message, problem.hint)
+        mine = None if problem is None else (ctx.rank, socket.gethostname(), problem.message, problem.hint,
+                                             isinstance(problem, Unavailable))
         gathered = gather_object(ctx, mine)  # the list on rank 0, None on the others
-        r, host, message, hint = broadcast_object(ctx, next(g for g in gathered if g) if gathered is not None else None)
-        err = UserError(message, hint, rank=r, verdict=True)
+        r, host, message, hint, flaky = broadcast_object(ctx, next(g for g in gathered if g) if gathered is not None else None)
+        err = (Unavailable if flaky else UserError)(message, hint, rank=r, verdict=True)  # a retryable one stays so
         err.host = host
         raise err
     if problem is not None:
@@ -139,11 +140,12 @@ def probe(ctx: DistContext, where: Store) -> None:
 
     token = rank0_verdict(ctx, write)
     name = where.path(layout.PROBE_PREFIX + token)
+    flaky = False  # the store did not answer this rank (a timeout, 503 SlowDown): a restart may cure it
     try:
         seen = where.fs.cat_file(name).decode() == token
         why = "it read back different bytes"
     except Exception as exc:
-        seen, why = False, describe(exc)
+        seen, why, flaky = False, describe(exc), unreachable(exc)
 
     def delete() -> None:
         try:
@@ -153,11 +155,11 @@ def probe(ctx: DistContext, where: Store) -> None:
 
     if ctx.world_size > 1 and not all_true(ctx, seen):
         rank0_verdict(ctx, delete)
-        gathered = gather_object(ctx, None if seen else (ctx.rank, socket.gethostname(), why))  # None off rank 0
+        gathered = gather_object(ctx, None if seen else (ctx.rank, socket.gethostname(), why, flaky))  # None off rank 0
         blind = broadcast_object(ctx, [g for g in gathered if g] if gathered is not None else None)
-        r, host, why = blind[0]
+        r, host, why, flaky = blind[0]
         more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
-        raise UserError(f"rank {r} on {host}{more} cannot read checkpoint location {where.url!r}, which rank 0 "
+        raise (Unavailable if flaky else UserError)(f"rank {r} on {host}{more} cannot read checkpoint location {where.url!r}, which rank 0 "
                         f"wrote ({why})", "give every node the same credentials and endpoint (environment, "
                         "~/.aws, DDP_KIT_STORAGE_OPTIONS) and a route to the store", verdict=True)
     if ctx.world_size == 1 and not seen:
@@ -476,10 +478,17 @@ class ObjectStoreCheckpointer(Checkpointer):
         url = str(found.path)
         parent, _, name = url.rpartition("/")
         there = self.store.sibling(parent)
-        manifest = steps.read_manifest(there, name) if there is not None else None
-        reason = "its manifest is gone" if manifest is None else None
-        if there is not None and manifest is not None:
-            reason = steps.fetch(there, name, self.cache / layout.step_name(found.step), manifest, want=want)
+        try:
+            manifest = steps.read_manifest(there, name) if there is not None else None
+            reason = "its manifest is gone" if manifest is None else None
+            if there is not None and manifest is not None:
+                reason = steps.fetch(there, name, self.cache / layout.step_name(found.step), manifest, want=want)
+        except OSError as exc:
+            if unreachable(exc):  # the store did not answer: nothing is wrong with the step, and a restart may cure it
+                err = refusal(url, exc, "read")
+                err.local = True  # this rank's download: it says so, naming itself
+                raise err.at(self.ctx.rank) from None
+            raise
         if reason:
             raise UserError(f"checkpoint {url} changed while the ranks read it: {reason}",
                             "rerun the same command (resume falls back past a damaged checkpoint)", local=True)
