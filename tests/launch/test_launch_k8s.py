@@ -31,7 +31,7 @@ client = pytest.importorskip("kubernetes.client")  # the `test` extra installs i
 GOLDEN = Path(__file__).parents[1] / "golden"
 TEMPLATES = Path(launch_k8s.__file__).parent / "templates" / "k8s"
 BASE = {"image": "ghcr.io/example/ddp_kit:0.1", "pvc": "ckpt", "run_dir": "/mnt/ckpt/mnist", "grace_period_s": 120,
-        "name": "mnist", "namespace": "ml"}
+        "name": "mnist", "namespace": "ml", "launch_id": "mnist-0123456789ab"}  # fixed: golden files
 TRAIN = ("configs/mnist_mlp.yaml", "--epochs", "3", "--lr", "3e-4")
 CASES = {
     "k8s_trainjob.yaml": dict(engine="trainjob", nodes=2, gpus_per_node=4),
@@ -401,3 +401,26 @@ def test_no_plain_scalar_reads_as_a_number_elsewhere(capsys):
                 stack += node.value
             elif isinstance(node, yaml.MappingNode):
                 stack += [v for _, v in node.value]
+
+
+def test_each_rendering_is_a_new_launch(capsys):
+    """Without --launch_id every rendering (a submission) gets its own DDP_KIT_LAUNCH_ID, so a fixed job
+    submitted again under the same name is not refused as a restart of the failed one."""
+    flags = {k: v for k, v in BASE.items() if k != "launch_id"}
+    ids = []
+    for _ in range(2):
+        launch_k8s.k8s(*TRAIN, **{**flags, "engine": "pytorchjob", "dry_run": True})
+        text = capsys.readouterr().out
+        ids += [e["value"] for d in yaml.safe_load_all(text) for e in _envs(d) if e["name"] == "DDP_KIT_LAUNCH_ID"]
+    assert len(ids) >= 2 and len(set(ids)) == 2 and all(i.startswith("mnist-") for i in ids), ids
+
+
+def _envs(node):
+    if isinstance(node, dict):
+        if "env" in node and isinstance(node["env"], list):
+            yield from node["env"]
+        for v in node.values():
+            yield from _envs(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _envs(v)

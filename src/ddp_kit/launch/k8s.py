@@ -9,11 +9,13 @@ its restart policy reads the exit codes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
 import shutil
 import subprocess
+import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -57,6 +59,7 @@ class K8sJob:
     max_preemptions: int
     train_args: tuple[str, ...]
     shm_size: str = "16Gi"  # the pod's /dev/shm (DataLoader workers, the memory tier): counted in its memory
+    launch_id: str = ""  # DDP_KIT_LAUNCH_ID: new for each rendering (a submission), kept by the engine's restarts
 
 
 def _positive(flag: str, value, minimum: int = 1) -> int:
@@ -160,6 +163,10 @@ def retryable_offset(engine: str) -> int:
 def container(job: K8sJob, name: str, with_command: bool = True) -> dict:
     """The training container, the same on every engine but for its name (each operator looks for its own)."""
     env = [{"name": GRACE_ENV, "value": str(job.grace_period_s)}]
+    if job.launch_id:
+        # A new submission under the same job name is a new launch (dist/launch_token.py): a deterministic
+        # failure or a crash loop of the previous one does not refuse it; the engine's restarts keep the id.
+        env.append({"name": "DDP_KIT_LAUNCH_ID", "value": job.launch_id})
     if job.layout == "torchrun":
         # torchrun gives its workers 30 s after forwarding SIGTERM, then SIGKILLs them: give them the grace period.
         env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(job.grace_period_s)})
@@ -321,10 +328,12 @@ def k8s(*train_args: str, engine: str = "trainjob", layout: str = "torchrun", no
         pvc: str | None = None, run_dir: str | None = None, mount_path: str | None = None,
         grace_period_s: int = 120, name: str = "ddp-kit", namespace: str | None = None, port: int = 29500,
         max_restarts: int = 3, max_preemptions: int = 20, shm_size: str = "16Gi", dry_run: bool = False,
-        out_dir: str = ".ddp_kit") -> None:
-    """Render templates/k8s/<engine>.yaml and apply it with kubectl (or print it with --dry_run)."""
+        out_dir: str = ".ddp_kit", launch_id: str | None = None) -> None:
+    """Render templates/k8s/<engine>.yaml and apply it with kubectl (or print it with --dry_run).
+    `launch_id`: this submission's identity (default: a new one each time)."""
     job = check(engine, layout, nodes, nproc_per_node, gpus_per_node, image, pvc, run_dir, mount_path,
                 grace_period_s, name, namespace, port, max_restarts, max_preemptions, train_args, shm_size)
+    job = dataclasses.replace(job, launch_id=str(launch_id) if launch_id else f"{job.name}-{uuid.uuid4().hex[:12]}")
     manifest = render_k8s(job, command_line(job))
     if dry_run:
         print(manifest, end="")
