@@ -106,18 +106,9 @@ def test_entry_points_are_found():
     assert {"ddp_kit.train", "ddp_kit.status", "ddp_kit.checkpoint"} <= set(found), found
 
 
-# Known not to answer --help with exit 0 today: `launch` prints its usage and exits 2, and `doctor`
-# refuses --help as an unknown option (exit 2). Strict: once fixed, these fail until the mark goes.
-HELP_BROKEN = {
-    "ddp_kit.launch": "python -m ddp_kit.launch --help prints its usage and exits 2",
-    "ddp_kit.doctor": "python -m ddp_kit.doctor --help: 'unknown doctor option(s) --help', exit 2",
-}
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=HELP_BROKEN[m])) if m in HELP_BROKEN else m
-    for m in documented_entry_points()])
+    m for m in documented_entry_points()])
 def test_documented_entry_point_answers_help(module):
     res = run_cmd([sys.executable, "-m", module, "--help"], timeout=60,
                   env={"PAGER": "cat", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))})

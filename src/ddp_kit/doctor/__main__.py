@@ -40,6 +40,11 @@ def main(json_out: bool = False, comm: bool = False, memory: bool = False, amp: 
          run_dir: str = ".", comm_max_mb: float | None = None, **kwargs) -> None:
     if "json" in kwargs:  # `--json` is the spelling users type
         json_out = bool(kwargs.pop("json"))
+    if kwargs.pop("help", False) or kwargs.pop("h", False):
+        print("python -m ddp_kit.doctor [--json] [--comm] [--memory] [--amp bf16|fp16] [--run_dir DIR] [--comm_max_mb MB]\n"
+              "Diagnoses PyTorch + CUDA + NCCL on this machine; under torchrun, --comm times all_reduce between the "
+              "ranks and --memory what each GPU can allocate.")
+        return
     if kwargs:
         print(f"ddp_kit: error: unknown doctor option(s) {', '.join('--' + k for k in kwargs)} "
               f"(hint: use --json, --comm, --memory, --amp bf16, --run_dir DIR)", file=sys.stderr)

@@ -36,10 +36,21 @@ def main() -> None:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     commands = _commands()
+    asks = {"--help", "-h", "help"}
+    if argv and argv[0] in asks:
+        print(__doc__.strip())
+        sys.exit(0)
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     name, command = commands[argv[0]]
+    if asks & set(argv[1:]):  # fire cannot show a wrapped command's flags: its own signature and docstring
+        import inspect
+        print(f"python -m ddp_kit.launch {argv[0]} [FLAGS] [-- TRAINING ARGS]\n\n{inspect.getdoc(command) or ''}\n\n"
+              f"flags: " + " ".join(f"--{p.name}" + (f"={p.default!r}" if p.default is not inspect.Parameter.empty else "")
+                                    for p in inspect.signature(command).parameters.values()
+                                    if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD))
+        sys.exit(0)
     try:
         fire.Fire(lambda **kw: command(*train_args, **kw), command=argv[1:], name=name)
     except UserError as err:
