@@ -21,7 +21,7 @@ is one line and exit 2; another exception is printed once, by the rank that rais
 other ranks stop within seconds, naming it.
 
 This module is the face only: `init`, `Run` (every method a script calls, which is why it is long:
-each is a few lines that hand over to the module doing the work) and `Resumed`; README's Layout says
+each is a few lines that hand over to the module doing the work) and `Resumed`; docs/architecture.md says
 where the work lives.
 """
 from __future__ import annotations
@@ -466,11 +466,11 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
     checkpoints. `options` are reliability.policy.Policy's fields: resume, ckpt_dir (checkpoints in another
     folder or at a URL, s3://bucket/prefix), ckpt_upload_timeout_s, max_failed_attempts, ckpt_every, ckpt_every_s, mem_ckpt_every
-    (a memory-tier copy every N steps: README "Tiered checkpoints"), keep_last,
+    (a memory-tier copy every N steps: docs/checkpoints.md), keep_last,
     async_ckpt, hang_timeout_s, peer_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
     sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin, trackers (["tensorboard", "mlflow",
-    "wandb"]: every metrics.jsonl record also goes there, one tracker run across every attempt; README
-    "Experiment trackers"). `timeout_s` bounds the rendezvous and
+    "wandb"]: every metrics.jsonl record also goes there, one tracker run across every attempt;
+    docs/observability.md). `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
     goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the
     same one at startup (a rank with a different one is named). `tf32`, `cudnn_benchmark` and

@@ -20,7 +20,7 @@ at the same step, so the ranks stay in lockstep without extra agreement:
     log_every                  one metrics.jsonl record (loss, lr, samples/s, per-rank time split; records.py)
 
 This class holds the step state (hooks.StepState) and what is registered, and schedules; each
-concern it schedules is a module of its own beside it (README's Layout names them), and what a
+concern it schedules is a module of its own beside it (docs/architecture.md names them), and what a
 strategy or a service adds at a step comes through hooks.StepHooks. Only this class saves. Library
 code: plain arguments (a Policy, a DistContext), never the job's config.
 """

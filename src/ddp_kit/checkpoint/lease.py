@@ -376,7 +376,7 @@ class LeaseKeeper:
             abort_incomplete_uploads(store)
         except Exception as exc:  # housekeeping: never a reason not to train
             print(f"ddp_kit: warning: could not abort incomplete uploads under {store.url} ({describe(exc)}); "
-                  f"a lifecycle rule on the bucket removes them (README: object storage)", file=sys.stderr, flush=True)
+                  f"a lifecycle rule on the bucket removes them (docs/checkpoints.md: object storage)", file=sys.stderr, flush=True)
 
     def _write(self, **more: Any) -> bool:
         """Rewrite our record (renewed now) if it is still ours; whether it was."""

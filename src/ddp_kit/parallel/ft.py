@@ -60,7 +60,7 @@ QUIET_RUST = ("RUST_LOG", "warn")
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds; the defaults suit loopback and a LAN (docs: README "Fault-tolerant training")."""
+    """Seconds; the defaults suit loopback and a LAN (docs/strategies.md, "Fault-tolerant training")."""
 
     collective_s: float = 10.0  # a cross-group all-reduce, should_commit, the live recovery's transfer
     quorum_s: float = 60.0  # one quorum: longer than a step, or groups split into two quorums

@@ -59,7 +59,7 @@ class JobKeys:
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
     backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
-    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) , fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints) or ft (fault-tolerant DDP on torchft: replica groups that survive a lost group; launch with python -m ddp_kit.launch ft). See README 'Choosing a strategy'.", STRATEGY_NAMES)
+    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) , fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints) or ft (fault-tolerant DDP on torchft: replica groups that survive a lost group; launch with python -m ddp_kit.launch ft). See docs/strategies.md.", STRATEGY_NAMES)
     compile: bool = _f(False, "Wrap the model in torch.compile.")
     channels_last: bool = _f(False, "Use channels_last memory format for image models.")
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for float32 matmuls and convolutions (about 10 mantissa bits).")
@@ -86,7 +86,7 @@ class JobKeys:
     rank_metrics: bool = _f(True, "Gather every rank's step-time split, samples/s and peak memory into metrics.jsonl at each log event.")
     rank_records_max: int = _f(64, "Up to this world size each metrics record keeps every rank's entry; above it, the median, max and argmax rank per field.")
     straggler_margin: float = _f(0.2, "Warn when a rank's own work per step exceeds the median rank's by this fraction for 2 log windows (0: off).")
-    trackers: str = _f("", "Experiment trackers rank 0 logs every metrics.jsonl record to, comma-separated: tensorboard (run_dir/tb), mlflow, wandb (pip install 'ddp_kit[NAME]'); settings from their own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, WANDB_MODE, ...). Every attempt of the run continues one tracker run. See README 'Experiment trackers'.")
+    trackers: str = _f("", "Experiment trackers rank 0 logs every metrics.jsonl record to, comma-separated: tensorboard (run_dir/tb), mlflow, wandb (pip install 'ddp_kit[NAME]'); settings from their own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, WANDB_MODE, ...). Every attempt of the run continues one tracker run. See docs/observability.md.")
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/train/inject.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 

@@ -51,7 +51,7 @@ for n in $(seq $((MIN_NODES + 1)) "$MAX_NODES"); do WORLD_SIZES="$WORLD_SIZES,$(
 # workers) avoids two torch bugs: restarted workers handed stale addresses (pytorch#135712), and
 # an elastic job that hangs when a node joins: with the shared store, torch 2.6 to 2.15 keep the
 # first round's store address, so the rank-0 agent never publishes it for the next round and the
-# joining agent waits for it until it times out (README, "Growing an elastic job").
+# joining agent waits for it until it times out (docs/launching.md, "Growing an elastic job").
 # ddp_kit also namespaces its keys per restart.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
