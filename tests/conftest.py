@@ -14,6 +14,13 @@ import pytest
 # library finder), which the unit tier would otherwise refuse in whichever test imports torch first.
 import torch  # noqa: F401
 
+# Likewise matplotlib (the report's picture): its first import on a machine builds the font cache with
+# `fc-list` in a subprocess (a fresh CI machine: whichever unit test draws first would be refused).
+try:
+    import matplotlib.font_manager  # noqa: F401
+except ImportError:
+    pass
+
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
 

@@ -19,7 +19,9 @@ from .run_writer import RunWriter
 def open_checkpointer(ctx: DistContext, rd: RunDir, policy: Policy) -> CheckpointBackend:
     """The backend at policy.ckpt_dir (a folder or a URL), else at run_dir/checkpoints."""
     location = policy.ckpt_dir if policy.ckpt_dir is not None else rd.checkpoints
-    return open_backend(location, ctx, keep_last=policy.keep_last, async_save=policy.async_ckpt,
+    # Another run folder may name the same ckpt_dir: one writer by lease. run_dir/checkpoints is the run's own.
+    return open_backend(location, ctx, one_writer=policy.ckpt_dir is not None, keep_last=policy.keep_last,
+                        async_save=policy.async_ckpt,
                         timeout_s=ctx.timeout_s, write_delay_s=policy.ckpt_write_delay_s,
                         upload_timeout_s=policy.ckpt_upload_timeout_s)
 

@@ -161,16 +161,22 @@ def open_storage(location: str | Path) -> Storage:
     return _factory(location)(str(location))
 
 
-def open_backend(location: str | Path, ctx: Any, **options: Any) -> CheckpointBackend:
+def open_backend(location: str | Path, ctx: Any, one_writer: bool = True, **options: Any) -> CheckpointBackend:
     """The backend for `location` (a folder path or a URL), built with `options` (keep_last, async_save,
     timeout_s, write_delay_s, upload_timeout_s): ranks write in place on a storage every rank mounts,
     else stage and upload. An unknown scheme is refused in one line at once; a location its storage
-    cannot open, at the first collective call (find or save), by every rank together."""
+    cannot open, at the first collective call (find or save), by every rank together. `one_writer=False`:
+    a folder only this run folder names (run_dir/checkpoints, which run_dir/.lock already guards) needs
+    no lease."""
     opener = _factory(location)
     try:
         storage: Storage | None = opener(str(location))
     except UserError:  # the object store backend says it at its first collective call
         storage = None
+    if storage is not None and storage.local_root is not None and not one_writer:
+        from .checkpointer import Checkpointer
+
+        return Checkpointer(ctx, storage, **{k: v for k, v in options.items() if k not in ("upload_timeout_s", "lease_ttl_s")})
     if storage is not None and storage.local_root is not None:  # with the same one-writer lease as a URL
         from .folder_lease import open_leased_folder
 
