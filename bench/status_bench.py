@@ -5,7 +5,7 @@
 The run folder is written here (no training): `attempts` attempts, each killed 100 steps past its last
 checkpoint (so 100 steps of each are replayed) except the last, which finishes; a progress line every
 `log_every` steps (10,000 lines for the defaults), a checkpoint every 500 steps. Times the accounting in
-this process (ledger.load, median of rounds) and the whole command as a user runs it (a fresh
+this process (run_account.load, median of rounds) and the whole command as a user runs it (a fresh
 interpreter: imports included). The issue asks for under a second."""
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def synthetic_run(run_dir: Path, steps: int = 100_000, attempts: int = 50, log_e
 
 def main(steps: int = 100_000, attempts: int = 50, log_every: int = 10, rounds: int = 5) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from ddp_kit.ledger import load
+    from ddp_kit.run_account import load
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"

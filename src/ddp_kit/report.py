@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EXIT_USER_ERROR, UserError
-from .ledger import CAUSES, LEDGER, RunAccount, account, max_steps_of, read
+from .run_account import CAUSES, LEDGER, RunAccount, account, max_steps_of, read
 from .run_folder import RunDir
 
 # Fields of a non-train record that are not metrics: the x axis, the writer's timestamp, and ids.
@@ -24,7 +24,7 @@ NOT_METRICS = {"step", "epoch", "time", "rank", "pid", "id"}
 EVAL_DRAWN = {"eval_loss", "eval_accuracy", "eval_samples"}
 # What strategy ft's step boundary writes (parallel/ft_steps.py): its own panel, not the script's.
 REPLICA_EVENTS = {"quorum", "step_discarded", "replica_pause", "recovery", "replica_weights_checked"}
-# The timeline's colour for goodput and each badput cause (ledger.CAUSES).
+# The timeline's colour for goodput and each badput cause (run_account.CAUSES).
 CAUSE_COLORS = {"goodput": "tab:green", "startup": "tab:blue", "checkpoint": "tab:purple", "evaluation": "tab:cyan",
                 "replayed": "tab:red", "down": "lightgrey", "hang": "tab:orange", "replica": "tab:olive",
                 "other": "darkgrey", "unlogged": "khaki"}
@@ -187,8 +187,8 @@ def _model_state(train: list[dict]) -> Panel:
 
 
 def ledger_of(run_dir: Path) -> RunAccount | None:
-    """The run ledger's account (ddp_kit/ledger.py), for the timeline panel; None without a start line
-    (a run from before the ledger, or a user's script run without a run_dir's attempts)."""
+    """The run's account of its run ledger (ddp_kit/run_account.py), for the timeline panel; None without a
+    start line (a run from before the ledger, or a user's script run without a run_dir's attempts)."""
     try:
         records, _ = read(Path(run_dir) / LEDGER)
     except OSError:
@@ -242,8 +242,8 @@ def timeline(run: RunAccount) -> Panel:
     return Panel(title, f"wall clock ({name} since the first launch)", "attempt", legend=False, draw=draw)
 
 
-def plot(records: list[dict], out: Path, title: str, ledger: RunAccount | None = None) -> None:
-    todo = panels(records) + ([timeline(ledger)] if ledger is not None else [])
+def plot(records: list[dict], out: Path, title: str, run: RunAccount | None = None) -> None:
+    todo = panels(records) + ([timeline(run)] if run is not None else [])
     if not todo:
         raise UserError("nothing to plot: metrics.jsonl has no record with a numeric step and a numeric value",
                         "log records with run.log_event({'step': ..., 'name': number}) or train with run.step(loss)")

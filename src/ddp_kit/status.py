@@ -1,6 +1,6 @@
 """`python -m ddp_kit.status RUN_DIR [--json] [--watch [SECONDS]]`: where a run stands and what its
-failures cost, from its ledger (ddp_kit/ledger.py). Reads files only: no torch, no process group, no
-checkpoint storage (a run whose checkpoints are at a URL is read the same way)."""
+failures cost, from its run ledger (the account: ddp_kit/run_account.py). Reads files only: no torch, no
+process group, no checkpoint storage (a run whose checkpoints are at a URL is read the same way)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +10,7 @@ from datetime import datetime
 from json import dumps
 
 from .errors import EXIT_USER_ERROR, UserError
-from .ledger import CAUSES, Attempt, RunAccount, load
+from .run_account import CAUSES, Attempt, RunAccount, load
 
 WATCH_DEFAULT_S = 10.0
 SHOWN_CHECKPOINTS = 5

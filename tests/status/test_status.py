@@ -1,4 +1,4 @@
-"""The run ledger read back (ddp_kit/ledger.py) and `python -m ddp_kit.status` (ddp_kit/status.py), on
+"""The run ledger read back (ddp_kit/run_account.py) and `python -m ddp_kit.status` (ddp_kit/status.py), on
 ledgers written by hand: a clean run, a SIGKILLed attempt, a preemption, a hang, a crash loop, a ledger
 from before verdicts, a running run. Every expected number below is worked out by hand in the comment
 beside it, from the lines the test writes; none comes from the code under test."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_kit.errors import EXIT_USER_ERROR
-from ddp_kit.ledger import CAUSES, account, load, read
+from ddp_kit.run_account import CAUSES, account, load, read
 from ddp_kit.status import main, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,16 +285,16 @@ def _imports(module: Path) -> set[str]:
 
 def test_status_reads_files_only_no_torch_no_run_folder():
     """Its import closure (the conftest imports torch in this process, so it is read from the source):
-    ledger.py and status.py import errors.py and the standard library, never torch nor run_folder (which
+    run_account.py and status.py import errors.py and the standard library, never torch nor run_folder (which
     pulls in the checkpoint package and torch)."""
     src = ROOT / "src" / "ddp_kit"
     seen = set()
-    for name in ("status.py", "ledger.py", "errors.py"):
+    for name in ("status.py", "run_account.py", "run_account_records.py", "errors.py"):
         for imported in _imports(src / name):
             assert not imported.startswith(("torch", "numpy")), (name, imported)
             if imported.startswith("."):
                 seen.add(imported)
-    assert seen <= {".errors", ".ledger"}, seen
+    assert seen <= {".errors", ".run_account", ".run_account_records"}, seen
 
 
 def test_report_draws_the_timeline_only_when_the_ledger_has_a_start(tmp_path):
@@ -324,11 +324,11 @@ def test_the_command_answers_without_importing_torch(tmp_path):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["replayed_steps"] == 16
     imported = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
-    assert "ddp_kit.ledger" in imported and "torch" not in imported and "ddp_kit.run_folder" not in imported
+    assert "ddp_kit.run_account" in imported and "torch" not in imported and "ddp_kit.run_folder" not in imported
 
 
 def test_a_refused_restart_is_the_state_not_an_attempt():
-    from ddp_kit.ledger import account
+    from ddp_kit.run_account import account
 
     records = [
         {"event": "start", "t": 100.0, "attempt": 1, "launched_t": 98.0, "latest": None},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_kit.ledger import account, load
+from ddp_kit.run_account import account, load
 from ddp_kit.status import main
 
 GOOD = [

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from ..dist.collectives import gather_object, rank0_verdict
 from ..dist.launch_token import launch_of
 from ..errors import EXIT_USER_ERROR, UserError
-from ..ledger import LEDGER
 from ..reliability.verdicts import REPEATABLE, Verdict, of_stop
+from ..run_account import LEDGER
 from ..trackers.hub import CLOSE_TIMEOUT_S
 from . import grace_period
 from .ledger import append
@@ -42,7 +42,7 @@ from .tracking import close_trackers
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
     from .core import StepBoundary as Boundary
 
-FILE = LEDGER  # the run ledger's file, named where it is read (ddp_kit/ledger.py)
+FILE = LEDGER  # the run ledger's file, named where it is read (ddp_kit/run_account.py)
 OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
 
 

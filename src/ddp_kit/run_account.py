@@ -1,7 +1,8 @@
-"""The run ledger read back: what each attempt of a run did, and what the run's wall time bought
-(goodput) or lost (badput, by cause). It reads run_dir/attempts.jsonl (rank 0's lines: boundary/attempts.py
-and boundary/ledger.py write them) and run_dir/config.yaml's max_steps, nothing else: no torch, no process
-group, no checkpoint storage, so it answers for a run whose checkpoints are at a URL, from any machine.
+"""The run's account, from its run ledger: what each attempt of a run did, and what the run's wall time
+bought (goodput) or lost (badput, by cause). It reads the run ledger, run_dir/attempts.jsonl (rank 0's lines:
+boundary/attempts.py and RunLedger write them; run_account_records.py reads and checks them), and
+run_dir/config.yaml's max_steps, nothing else: no torch, no process group, no checkpoint storage, so it
+answers for a run whose checkpoints are at a URL, from any machine.
 
 The wall time, from the first attempt's launch to the last one's end (now, while it runs), is cut into
 pieces that add up to it by construction. Each attempt's span is split into its start-up (launch to the
@@ -19,15 +20,15 @@ left: its last line, and the step its rank 0 was on (`killed_before` in the next
 progress mirror the dead process left)."""
 from __future__ import annotations
 
-import json
 import time
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from .errors import UserError
+from .run_account_records import _f, _int, _num, _Raw, group, max_steps_of, read
 
 LEDGER = "attempts.jsonl"  # in run_dir; the writer's name for it is boundary/attempts.py's FILE
 # Badput causes, in the order the status table shows them.
@@ -130,39 +131,6 @@ class RunAccount:
 
 # --- reading ---------------------------------------------------------------------------------------
 
-def read(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The ledger's records (an object with a string "event" and a numeric "t", each field of the type
-    its writer gives it: see _sound), and how many lines were skipped (a line cut by a kill, or damaged).
-    Raises OSError when the file cannot be read."""
-    records, bad = [], 0
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if _sound(r):
-                records.append(r)
-            else:
-                bad += 1
-    return records, bad
-
-
-def max_steps_of(run_dir: Path) -> int | None:
-    """config.yaml's max_steps, when the run has one (the reference job writes it; a script may not)."""
-    try:
-        import yaml
-
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except Exception:  # no config, not YAML, no PyYAML: no ETA, nothing worse
-        return None
-    v = cfg.get("max_steps") if isinstance(cfg, dict) else None
-    return int(v) if _num(v) and v > 0 else None
-
-
 def load(run_dir: str | Path, now: float | None = None) -> RunAccount:
     """The account of the run in run_dir; a missing or unreadable folder or ledger is a UserError."""
     d = Path(run_dir)
@@ -182,101 +150,6 @@ def load(run_dir: str | Path, now: float | None = None) -> RunAccount:
 
 
 # --- accounting ------------------------------------------------------------------------------------
-
-@dataclass
-class _Raw:
-    """One attempt's lines while grouping."""
-    number: int
-    start: dict[str, Any] | None = None
-    end: dict[str, Any] | None = None
-    lines: list[dict[str, Any]] = field(default_factory=list)
-
-    def of(self, event: str) -> list[dict[str, Any]]:
-        return [r for r in self.lines if r["event"] == event]
-
-    def first(self, event: str) -> dict[str, Any] | None:
-        return next((r for r in self.lines if r["event"] == event), None)
-
-
-def group(records: list[dict[str, Any]]) -> list[_Raw]:
-    """Lines by attempt: a start line opens one; so does a line after an end, or one naming another
-    attempt number (a start refused as a crash loop leaves only an end line)."""
-    raws: list[_Raw] = []
-    for r in records:
-        cur = raws[-1] if raws else None
-        number = r.get("attempt") if isinstance(r.get("attempt"), int) else None
-        other = cur is not None and number is not None and cur.number != number and (cur.start is None or "attempt" in cur.start)
-        if r["event"] == "start" or cur is None or cur.end is not None or other:
-            cur = _Raw(number if number is not None else (raws[-1].number + 1 if raws else 1))
-            raws.append(cur)
-            if r["event"] == "start":
-                cur.start = r
-        if r["event"] == "end":
-            cur.end = r
-        cur.lines.append(r)
-    return raws
-
-
-def _num(v: Any) -> TypeGuard[float]:
-    # compared, not math.isfinite: an int beyond a float's range (JSON holds any) would raise OverflowError
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and -BIGGEST <= v <= BIGGEST
-
-
-# What a sound line holds: the writers' fields (boundary/attempts.py, boundary/ledger.py) with their types.
-BIGGEST = 1e15  # no count or second the writers put in the ledger comes near; NaN and inf fail the comparison
-_LATEST_T = 1e11  # a unix time past this (the year 5138) is no clock's
-_NUMBERS = frozenset({"t", "launched_t", "step", "steps", "window_s", "blocking_s", "commit_s", "seconds", "paused_s",
-                      "stalled_s", "latest", "attempt", "exit", "rank", "world_size", "restart_count", "durable_step",
-                      "slowest_rank"})
-_TEXTS = frozenset({"verdict", "cause", "fix", "engine", "host", "from", "tier", "phase", "why", "outcome", "error",
-                    "slowest_host"})
-
-
-def _sound(r: Any) -> bool:
-    """Whether a parsed line is a record status can use as it is; a damaged one is skipped and counted,
-    whatever it holds (a number too big for a float, a time no clock shows, a field of another type)."""
-    if not isinstance(r, dict) or not isinstance(r.get("event"), str):
-        return False
-    if not (_num(r.get("t")) and 0 <= r["t"] < _LATEST_T):
-        return False
-    if "launched_t" in r and r["launched_t"] is not None and not (_num(r["launched_t"]) and 0 <= r["launched_t"] < _LATEST_T):
-        return False
-    for k, v in r.items():
-        if v is None:
-            continue
-        if (k in _NUMBERS and not _num(v)) or (k in _TEXTS and not isinstance(v, str)):
-            return False
-        if k == "retryable" and not isinstance(v, bool):
-            return False
-        if k == "hosts" and not (isinstance(v, list) and all(isinstance(h, str) for h in v)):
-            return False
-        if k == "killed_before" and not isinstance(v, dict):
-            return False
-    return _bounded(r)
-
-
-def _bounded(v: Any, depth: int = 0) -> bool:
-    """No number anywhere in `v` (nested too) outside what a float holds comfortably."""
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return True
-    if isinstance(v, (int, float)):
-        return _num(v)
-    if depth > 8:
-        return False
-    if isinstance(v, dict):
-        return all(_bounded(x, depth + 1) for x in v.values())
-    if isinstance(v, list):
-        return all(_bounded(x, depth + 1) for x in v)
-    return False
-
-
-def _f(v: Any) -> float:
-    return float(v) if _num(v) else 0.0
-
-
-def _int(v: Any) -> int | None:
-    return int(v) if _num(v) else None
-
 
 def _complete(killed_before: Any) -> int | None:
     """Steps complete when the previous attempt died, from its progress mirror's step and phase."""
@@ -395,78 +268,13 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
     replayed_total = 0
     for i, a in enumerate(raws):
         nxt = raws[i + 1] if i + 1 < len(raws) else None
-        last_run = running and nxt is None
-        r0 = resumed[i]
-        d = _last_step(a, nxt, r0)
-        n = max(0, d - r0) if d is not None and r0 is not None else 0
-        later = [r for r in resumed[i + 1:] if r is not None]
-        kept = min(max(min(later), r0), d) - r0 if later and r0 is not None and d is not None else n
-        kept = max(0, min(kept, n))
-        blocking = (sum((_f(r.get("blocking_s")) for r in a.of("checkpoint")), 0.0)
-                    + sum((_f(r.get("mem_s")) for r in a.of("progress")), 0.0))  # the memory tier's waits
-        evaluating = sum((_f(r.get("seconds")) for r in a.of("eval")), 0.0)
-        pausing = sum((_f(r.get("paused_s")) for r in a.of("replica_pause")), 0.0)
-        st = _step_time(a, r0, d, blocking, evaluating, pausing)
-        step_s = st or 0.0
-        verdict, retryable, cause = _verdict(a, last_run)
-
-        last_t = a.lines[-1]["t"]
-        if a.end is not None:
-            end_t = a.end["t"]
-        elif last_run:
-            end_t = now
-        else:  # killed: its last line, plus the steps it did after it (the mirror's step)
-            seen = [int(r["step"]) for r in a.lines if _num(r.get("step"))]
-            after = max(0, (d or 0) - max(seen)) if seen and d is not None else 0
-            end_t = last_t + after * step_s
-            if nxt is not None:
-                end_t = min(end_t, launched[i + 1])
-        start = max(launched[i], boundary)
-        end = max(start, min(end_t, launched[i + 1]) if nxt is not None else end_t)
-        down = start - boundary
-        boundary = end
-        span = end - start
-
-        hang = _f(a.end.get("stalled_s")) if a.end is not None and verdict == "hang" else 0.0
-        first = a.first("first_step")
-        parts = {"checkpoint": blocking, "evaluation": evaluating, "hang": hang,
-                 "replica": pausing + len(a.of("step_discarded")) * step_s,
-                 "goodput": kept * step_s, "replayed": (n - kept) * step_s, "unlogged": 0.0}
-        if last_run and first is not None:
-            # Training or stalled since its last line: not known yet (the next line tells), so not goodput.
-            parts["unlogged"] = max(0.0, now - last_t)
-        if first is not None:
-            parts["startup"] = max(0.0, first["t"] - start - step_s)
-        elif n == 0:  # never trained a step: all of it was getting there
-            parts["startup"] = max(0.0, span - sum(parts.values()))
-        else:  # an old ledger: no first step line, start-up cannot be told apart
-            parts["startup"] = 0.0
-        used = sum(parts.values())
-        if used > span > 0 or (used > 0 and span == 0):  # estimates past the span: shrink them to it
-            parts = {k: v * span / used for k, v in parts.items()}
-            used = span
-        parts["other"] = span - used
-        parts["down"] = down
-        for k, v in parts.items():
+        attempt = _attempt(a, nxt, resumed[i:], launched[i], launched[i + 1] if nxt is not None else None,
+                           boundary, running and nxt is None, now)
+        boundary = attempt.end_t
+        for k, v in attempt.seconds.items():
             total[k] += v
-        replayed_total += n - kept
-
-        s = a.start or {}
-        e = a.end or {}
-        marks = tuple((r["t"], {"checkpoint": "checkpoint", "eval": "evaluation"}.get(r["event"], "replica"),
-                       _f(r.get("blocking_s") or r.get("seconds") or r.get("paused_s")))
-                      for r in a.lines if r["event"] in ("checkpoint", "eval", "replica_pause"))
-        resume = a.first("resume")
-        attempts.append(Attempt(
-            number=a.number, launched_t=start, end_t=end, end_estimated=a.end is None,
-            world_size=_int(s.get("world_size")), engine=s.get("engine"),
-            hosts=tuple(str(h) for h in s.get("hosts") or ()), verdict=verdict, retryable=retryable,
-            exit=_int(e.get("exit")), rank=_int(e.get("rank")), host=e.get("host"), cause=cause,
-            fix=str(e.get("fix") or ""), resumed_step=r0,
-            resumed_from=resume.get("from") if resume else None, last_step=d, steps=n,
-            replayed_steps=n - kept, step_time_s=st, seconds={k: parts[k] for k in ("goodput",) + CAUSES},
-            marks=marks, resumed_tier=str(resume["tier"]) if resume and resume.get("tier") else None,
-            spared_steps=_spared(resume)))
+        replayed_total += attempt.replayed_steps
+        attempts.append(attempt)
 
     wall = boundary - launched[0]
     last = attempts[-1]
@@ -486,6 +294,91 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
         checkpoints=_lineage(raws, resumed), slowest=_slowest(records), skipped_lines=skipped_lines,
         spared={t: sum(a.spared_steps for a in attempts if a.resumed_tier == t) for t in ("memory", "peer")
                 if any(a.resumed_tier == t for a in attempts)}, now=now)
+
+
+def _attempt(a: _Raw, nxt: _Raw | None, resumed: list[int | None], launched_t: float, next_launched_t: float | None,
+             boundary: float, last_run: bool, now: float) -> Attempt:
+    """Attempt `a` on the timeline: from its launch (or `boundary`, the end of the piece before it) to its
+    end, cut at the next attempt's launch. resumed: its own resumed step, then the later attempts'."""
+    r0 = resumed[0]
+    d = _last_step(a, nxt, r0)
+    n = max(0, d - r0) if d is not None and r0 is not None else 0
+    later = [r for r in resumed[1:] if r is not None]
+    kept = min(max(min(later), r0), d) - r0 if later and r0 is not None and d is not None else n
+    kept = max(0, min(kept, n))
+    blocking = (sum((_f(r.get("blocking_s")) for r in a.of("checkpoint")), 0.0)
+                + sum((_f(r.get("mem_s")) for r in a.of("progress")), 0.0))  # the memory tier's waits
+    evaluating = sum((_f(r.get("seconds")) for r in a.of("eval")), 0.0)
+    pausing = sum((_f(r.get("paused_s")) for r in a.of("replica_pause")), 0.0)
+    st = _step_time(a, r0, d, blocking, evaluating, pausing)
+    step_s = st or 0.0
+    verdict, retryable, cause = _verdict(a, last_run)
+
+    end_t = _end_t(a, d, step_s, next_launched_t, last_run, now)
+    start = max(launched_t, boundary)
+    end = max(start, min(end_t, next_launched_t) if next_launched_t is not None else end_t)
+    hang = _f(a.end.get("stalled_s")) if a.end is not None and verdict == "hang" else 0.0
+    parts = {"checkpoint": blocking, "evaluation": evaluating, "hang": hang,
+             "replica": pausing + len(a.of("step_discarded")) * step_s,
+             "goodput": kept * step_s, "replayed": (n - kept) * step_s, "unlogged": 0.0}
+    parts = _fit(a, parts, start, end - start, step_s, n, last_run, now)
+    parts["down"] = start - boundary
+
+    s = a.start or {}
+    e = a.end or {}
+    marks = tuple((r["t"], {"checkpoint": "checkpoint", "eval": "evaluation"}.get(r["event"], "replica"),
+                   _f(r.get("blocking_s") or r.get("seconds") or r.get("paused_s")))
+                  for r in a.lines if r["event"] in ("checkpoint", "eval", "replica_pause"))
+    resume = a.first("resume")
+    return Attempt(
+        number=a.number, launched_t=start, end_t=end, end_estimated=a.end is None,
+        world_size=_int(s.get("world_size")), engine=s.get("engine"),
+        hosts=tuple(str(h) for h in s.get("hosts") or ()), verdict=verdict, retryable=retryable,
+        exit=_int(e.get("exit")), rank=_int(e.get("rank")), host=e.get("host"), cause=cause,
+        fix=str(e.get("fix") or ""), resumed_step=r0,
+        resumed_from=resume.get("from") if resume else None, last_step=d, steps=n,
+        replayed_steps=n - kept, step_time_s=st, seconds={k: parts[k] for k in ("goodput",) + CAUSES},
+        marks=marks, resumed_tier=str(resume["tier"]) if resume and resume.get("tier") else None,
+        spared_steps=_spared(resume))
+
+
+def _end_t(a: _Raw, last_step: int | None, step_s: float, next_launched_t: float | None, last_run: bool,
+           now: float) -> float:
+    """When attempt `a` ended: its end line; now, while it runs; else (killed) its last line, plus the
+    steps it did after it (the mirror's step), but not past the next attempt's launch."""
+    end_t: float
+    if a.end is not None:
+        end_t = a.end["t"]
+    elif last_run:
+        end_t = now
+    else:
+        seen = [int(r["step"]) for r in a.lines if _num(r.get("step"))]
+        after = max(0, (last_step or 0) - max(seen)) if seen and last_step is not None else 0
+        end_t = a.lines[-1]["t"] + after * step_s
+        if next_launched_t is not None:
+            end_t = min(end_t, next_launched_t)
+    return end_t
+
+
+def _fit(a: _Raw, parts: dict[str, float], start: float, span: float, step_s: float, n: int, last_run: bool,
+         now: float) -> dict[str, float]:
+    """`parts` with its start-up, unlogged time and "other" added, within the attempt's `span`."""
+    first = a.first("first_step")
+    if last_run and first is not None:
+        # Training or stalled since its last line: not known yet (the next line tells), so not goodput.
+        parts["unlogged"] = max(0.0, now - a.lines[-1]["t"])
+    if first is not None:
+        parts["startup"] = max(0.0, first["t"] - start - step_s)
+    elif n == 0:  # never trained a step: all of it was getting there
+        parts["startup"] = max(0.0, span - sum(parts.values()))
+    else:  # an old ledger: no first step line, start-up cannot be told apart
+        parts["startup"] = 0.0
+    used = sum(parts.values())
+    if used > span > 0 or (used > 0 and span == 0):  # estimates past the span: shrink them to it
+        parts = {k: v * span / used for k, v in parts.items()}
+        used = span
+    parts["other"] = span - used
+    return parts
 
 
 def _spared(resume: dict[str, Any] | None) -> int:
