@@ -15,7 +15,7 @@ from ddp_kit.errors import UserError
 from ddp_kit.trackers import hub as hub_module
 from ddp_kit.trackers import parse
 from ddp_kit.trackers.base import Opening, Tracker, scalars
-from ddp_kit.trackers.hub import Hub, Ledger
+from ddp_kit.trackers.hub import Hub, TrackerRuns
 from ddp_kit.train.config import resolve
 
 
@@ -107,7 +107,7 @@ def opened_hub(tmp_path, tools: dict, floors=None, said=None):
     openings = {n: Opening(run_dir=tmp_path, name="run", run_id="R" if (floors or {}).get(n) is not None else None,
                            rewind_to=10) for n in tools}
     meta: dict = {}
-    ledger = Ledger(tmp_path / "trackers.json", {n: {"run_id": "R", "logged_step": f} for n, f in (floors or {}).items()},
+    ledger = TrackerRuns(tmp_path / "trackers.json", {n: {"run_id": "R", "logged_step": f} for n, f in (floors or {}).items()},
                     mirror=lambda e: meta.__setitem__("trackers", e))
     return hub, openings, ledger, meta, said
 
@@ -163,7 +163,7 @@ def test_a_tracker_that_does_not_answer_is_given_up_within_the_bound(tmp_path, m
 def test_the_hub_is_a_no_op_on_the_ranks_that_do_not_log(tmp_path):
     hub = Hub(("tensorboard",), active=False)
     hub.log({"step": 1, "loss": 1.0})
-    hub.open({}, {}, Ledger(None, {}))
+    hub.open({}, {}, TrackerRuns(None, {}))
     hub.close(0)
     assert not hub.opened and not hub.has_pending
 

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..trackers.base import Opening
-from ..trackers.hub import Hub, Ledger
+from ..trackers.hub import Hub, TrackerRuns
 from ..version import __version__
 
 if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
@@ -42,7 +42,7 @@ def open_trackers(b: Boundary, start: int, saved: dict[str, Any] | None = None) 
     if hub.opened or hub.closed or not hub.names:
         return
     path = b.rd.trackers if b.rd is not None else None
-    here = Ledger.read(path)
+    here = TrackerRuns.read(path)
     if b.policy.resume == "never" and here and b.rd is not None and path is not None:  # the abandoned tracker runs' ids go where its metrics went
         dest = b.rd.archive / time.strftime("%Y%m%dT%H%M%S")
         dest.mkdir(parents=True, exist_ok=True)
@@ -60,9 +60,9 @@ def open_trackers(b: Boundary, start: int, saved: dict[str, Any] | None = None) 
         openings[name] = Opening(run_dir=b.rd.path if b.rd is not None else None, name=_name(b), run_id=run_id,
                                  rewind_to=start, config=b.config or {}, facts=facts)
         floors[name] = floor
-    ledger = Ledger(path, entries, mirror=lambda e: b.meta.__setitem__(META_KEY, e))
-    ledger.write()  # trackers.json and the checkpoints carry this lineage from now on, before any tool answers
-    hub.open(openings, floors, ledger)
+    runs = TrackerRuns(path, entries, mirror=lambda e: b.meta.__setitem__(META_KEY, e))
+    runs.write()  # trackers.json and the checkpoints carry this lineage from now on, before any tool answers
+    hub.open(openings, floors, runs)
 
 
 def lineage(name: str, saved: dict[str, Any], here: dict[str, Any], fresh: bool, same_job: bool) -> tuple[str | None, int | None]:

@@ -1,6 +1,6 @@
 """Rank 0's trackers at run time: one thread per tracker fed from a queue, so the training loop
-only ever enqueues; the ledger (run_dir/trackers.json, mirrored into every checkpoint's meta) of
-each tracker's run id and the last step sent to it; and the bounds that keep a tool from failing
+only ever enqueues; the tracker runs (TrackerRuns: run_dir/trackers.json, mirrored into every checkpoint's
+meta) with each tracker's run id and the last step sent to it; and the bounds that keep a tool from failing
 or stalling the run.
 
 - A tracker that raises (a server down at start or gone mid-run, a refused request) is given up
@@ -9,7 +9,7 @@ or stalling the run.
   same way (its thread is a daemon, left behind), and at the end the records still queued get
   CLOSE_TIMEOUT_S in all. The tools' own timeouts shorten this (MLFLOW_HTTP_REQUEST_TIMEOUT and
   MLFLOW_HTTP_REQUEST_MAX_RETRIES; W&B's init_timeout); none of them is needed for the bound.
-- Steps logged at most once: the ledger records a step before it is sent, so a step a killed
+- Steps logged at most once: trackers.json records a step before it is sent, so a step a killed
   attempt may have sent is never sent again by the next one (trackers that cannot rewind skip
   every step up to it); a kill between the two loses that step instead.
 """
@@ -40,7 +40,7 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class Ledger:
+class TrackerRuns:
     """Each tracker's run id and the last step sent to it: run_dir/trackers.json, and `mirror(entries)`
     (the checkpoint meta), so that the next attempt, here or elsewhere, continues the same runs."""
 
@@ -51,7 +51,7 @@ class Ledger:
 
     @staticmethod
     def read(path: Path | None) -> dict[str, dict[str, Any]]:
-        """The ledger a run folder holds ({} when none, or when unreadable: a new tracker run is no harm)."""
+        """The tracker runs a run folder holds ({} when none, or when unreadable: a new tracker run is no harm)."""
         try:
             data = json.loads(path.read_text()) if path is not None else {}
         except (OSError, ValueError):
@@ -94,7 +94,7 @@ class Hub:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def open(self, openings: dict[str, Opening], floors: dict[str, int | None], ledger: Ledger,
+    def open(self, openings: dict[str, Opening], floors: dict[str, int | None], runs: TrackerRuns,
              make: Callable[[str], Tracker] | None = None) -> None:
         """Start every tracker's thread (each opens its tool there), then hand over what was held."""
         if self.opened or self.closed or not self.names:
@@ -103,7 +103,7 @@ class Hub:
         make = make or (lambda name: tracker_class(name)())
         for name in self.names:
             tracker = make(name)
-            worker = _Worker(self, name, tracker, openings[name], None if tracker.rewinds else floors.get(name), ledger)
+            worker = _Worker(self, name, tracker, openings[name], None if tracker.rewinds else floors.get(name), runs)
             self._workers.append(worker)
             worker.start()
         for item in self._pending:
@@ -171,13 +171,13 @@ class Hub:
 class _Worker(threading.Thread):
     """One tracker's thread: opens the tool, then sends each queued record (past the floor) in order."""
 
-    def __init__(self, hub: Hub, name: str, tracker: Tracker, opening: Opening, floor: int | None, ledger: Ledger):
+    def __init__(self, hub: Hub, name: str, tracker: Tracker, opening: Opening, floor: int | None, runs: TrackerRuns):
         super().__init__(name=f"ddp_kit-tracker-{name}", daemon=True)
-        self.hub, self.name, self.tracker, self.opening, self.floor, self.ledger = hub, name, tracker, opening, floor, ledger
+        self.hub, self.name, self.tracker, self.opening, self.floor, self.runs = hub, name, tracker, opening, floor, runs
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.gone = False  # given up: nothing more is sent, and what it still does is ignored
         self._busy_since: float | None = None
-        self._sent = ledger.entries.get(name, {}).get("logged_step", -1)
+        self._sent = runs.entries.get(name, {}).get("logged_step", -1)
 
     def stuck(self, now: float) -> bool:
         since = self._busy_since
@@ -197,11 +197,11 @@ class _Worker(threading.Thread):
                     importlib.import_module(self.tracker.package)
             chosen = self.tracker.new_run_id() if self.opening.run_id is None else None
             if chosen is not None:
-                self.ledger.update(self.name, run_id=chosen, logged_step=self._sent)
+                self.runs.update(self.name, run_id=chosen, logged_step=self._sent)
             run_id = self._call(self.tracker.open, self.opening)
             if self.gone:
                 return
-            self.ledger.update(self.name, run_id=run_id, logged_step=self._sent)
+            self.runs.update(self.name, run_id=run_id, logged_step=self._sent)
             while True:
                 item = self.queue.get()
                 if self.gone:
@@ -214,7 +214,7 @@ class _Worker(threading.Thread):
                     continue  # an earlier attempt sent this step: a tool that keeps every point would hold it twice
                 if step > self._sent:
                     self._sent = step
-                    self.ledger.update(self.name, logged_step=step)  # before sending: at most once
+                    self.runs.update(self.name, logged_step=step)  # before sending: at most once
                 self._call(self.tracker.log, step, values, wall_time)
         except Exception as err:
             text = (str(err).strip().splitlines() or [""])[0]
