@@ -26,7 +26,7 @@ from pathlib import Path
 
 import fire
 
-from ddp_kit.boundary.ledger import RunLedger
+from ddp_kit.services.run_ledger import RunLedger
 
 LOG_EVERY, CKPT_EVERY = 50, 100  # the reference job's defaults (train/config.py)
 

@@ -27,7 +27,6 @@ where the work lives.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import inspect
 import os
 import sys
@@ -54,6 +53,7 @@ from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .errors import UserError
 from .integrations.ray import reporter as ray_reporter
+from .options import Option
 from .parallel.fsdp import full_state_dict, is_sharded
 from .parallel.strategy import DEFAULT as DEFAULT_STRATEGY
 from .parallel.strategy import option_keywords, strategy_of
@@ -64,6 +64,7 @@ from .reliability.progress import Progress
 from .reliability.sync_checks import in_main_only, main_only
 from .run_folder import hang_folder
 from .run_options import config_as_json, in_part, policy_from_options
+from .service_registry import options
 
 
 class Run:
@@ -452,10 +453,15 @@ class Resumed(int):
         return out
 
 
+def service_options() -> list[Option]:
+    """Every service's settings (service_registry.py), each a keyword of `init` and, with a `key`, a config key."""
+    return options()
+
+
 def init_options() -> tuple[str, ...]:
     """The names `init(**options)` takes besides its own arguments: the step boundary's policy
     (checkpoints, watchdog, sync checks, metrics), so that a script can pass its config's keys by name."""
-    return tuple(f.name for f in dataclasses.fields(Policy) if f.name != "run_dir")
+    return tuple(k for k in Policy.keywords() if k != "run_dir")
 
 
 def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0,
@@ -464,13 +470,11 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     """Join the job this process was launched into (or run alone) and return its Run.
 
     `run_dir` holds checkpoints, metrics.jsonl and hang reports; without it there are no
-    checkpoints. `options` are reliability.policy.Policy's fields: resume, ckpt_dir (checkpoints in another
-    folder or at a URL, s3://bucket/prefix), ckpt_upload_timeout_s, max_failed_attempts, ckpt_every, ckpt_every_s, mem_ckpt_every
-    (a memory-tier copy every N steps: docs/checkpoints.md), keep_last,
-    async_ckpt, hang_timeout_s, peer_timeout_s, collective_timeout_s, preempt_check_every, sync_check_every,
-    sync_fix, log_every, rank_metrics, rank_records_max, straggler_margin, trackers (["tensorboard", "mlflow",
-    "wandb"]: every metrics.jsonl record also goes there, one tracker run across every attempt;
-    docs/observability.md). `timeout_s` bounds the rendezvous and
+    checkpoints. `options` are the step boundary's settings (boundary/policy.py: resume, ckpt_dir for
+    checkpoints in another folder or at a URL, ckpt_every, ckpt_every_s, keep_last, async_ckpt, timeouts,
+    checks, logging) and every service's, each declared in the service's own file (services/: the run
+    ledger's max_failed_attempts, the trackers' trackers, the memory tier's mem_ckpt_every, ...); the list is
+    `init_options()`, and docs/getting-started.md says what each does. `timeout_s` bounds the rendezvous and
     every collective until step 1 has finished. `config` (your hyperparameters, a JSON-able dict)
     goes to run_dir/config.yaml and every checkpoint's meta.json, and every rank must hold the
     same one at startup (a rank with a different one is named). `tf32`, `cudnn_benchmark` and

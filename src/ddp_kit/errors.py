@@ -4,6 +4,9 @@ from __future__ import annotations
 import socket
 import sys
 
+from .exit_codes import EXIT_FAILED
+from .exit_codes import EXIT_USER_ERROR as EXIT_USER_ERROR  # its old home: `from ddp_kit.errors import` still works
+
 
 class UserError(Exception):
     """A problem the user can fix. `str()` is the one line we print: what happened; hint: how to fix it.
@@ -19,7 +22,7 @@ class UserError(Exception):
     """
 
     retryable = False  # Unavailable (below): a restart may cure it
-    exit_code = 2  # EXIT_USER_ERROR; Unavailable: 1
+    exit_code = EXIT_USER_ERROR  # Unavailable: EXIT_FAILED
 
     def __init__(self, message: str, hint: str = "", rank: int | None = None, local: bool = False,
                  verdict: bool = False):
@@ -46,9 +49,6 @@ class UserError(Exception):
         return f"ddp_kit: error: {where}{self.message}{hint}"
 
 
-EXIT_USER_ERROR = 2
-
-
 class Unavailable(UserError):
     """Something outside the program failed in a way a restart may cure: a storage endpoint that refuses
     connections, times out or throttles (503 SlowDown) when an attempt starts or resumes. Said like a
@@ -56,7 +56,7 @@ class Unavailable(UserError):
     the engine restarts it instead of failing the job."""
 
     retryable = True
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 def report_user_error(err: UserError, rank: int) -> None:

@@ -6,23 +6,37 @@ and decides nothing. The boundary (ddp_kit.boundary.core) calls every attached s
 they were attached, at these points:
 
     attach(b)                   when it joins the boundary
+    started(b)                  the attempt starts, before any work (collective: every rank's hooks run it);
+                                may refuse the start by raising (the run ledger's crash-loop rule)
     gate(obj, scheduler)        each optimizer (scheduler=False) or LR scheduler registered, also those
                                 registered before the hook was attached
     restore(b) -> bool          at run.resume, before a checkpoint is read: True = the state came from
                                 elsewhere (a peer), no checkpoint is read
     restored_from_disk(b)       after run.resume read a checkpoint or found none (not after restore=True)
+    resumed(b, meta)            run.resume is over, however it ended: `meta` is the resumed checkpoint's
+                                meta.json ({} when none was read: a fresh start or a peer's state)
+    optimizer_step(b)           an optimizer is about to write the parameters (and at run.step, for a step
+                                whose optimizer was gated off): what still reads them must be done
     before_batch(b)             the loader is about to fetch the next step's first batch
     epoch_ended(b)              the loader's epoch ended
     counts(b) -> bool           the step that just ended counts (False: discarded, not a step)
     after_step(b)               after a counted step
+    first_step(b)               the first step of this attempt is over (the ranks agreed, timeouts shortened)
     agree_stop(b, signum, due)  the stop agreement, after the ranks' own (collective where the hook's
                                 peers are): returns the signal and whether a timed checkpoint is due
     may_requeue(b) -> bool      whether this process's job may requeue itself at a stop
     may_report(b) -> bool       whether this process may report the run done (write summary.json)
     summary(b) -> dict          keys for summary.json
+    logged(b, record)           a metrics.jsonl record (what rank 0 writes there)
     event(b, record)            a record of the run: every metrics.jsonl record, and the first step, a
                                 resume, an evaluation pass, a log window ("progress")
+    ending(b, code)             the attempt ends with exit `code` (b.verdict says why, when it failed): once,
+                                after the last checkpoint's wait; never raises
     close(b)                    at the Run's close, before the process group goes
+
+A checkpoint tier (`Tier`) is the other seam: the durable checkpoints and the memory tier are two, each
+owning its cadence; the boundary saves the tiers due at a step and resume takes the newest complete
+step across them.
 
 This module sits below the boundary and the strategies, so both can import it: what a hook may use of
 the boundary is `Boundary`, a Protocol, not the class.
@@ -34,7 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -61,9 +75,8 @@ class StepState:
     resumed_from: int | None = None  # the step a checkpoint (or a peer) gave this attempt
     resumed_path: Path | str | None = None  # a step folder, a URL, or the memory tier's description
     pending: bool = False  # an optimizer stepped since the last boundary (implicit mode)
-    owed_save: bool = False  # an epoch's last step deferred its checkpoint to the next batch or epoch
+    owed: set[str] = field(default_factory=set)  # an epoch's last step deferred these tiers' saves to the next batch or epoch
     owed_check: bool = False  # ... and its stop check
-    owed_mem: bool = False  # ... and its memory-tier copy
     resumed: bool = False  # run.resume has run: objects registered later would never be restored
     explicit: bool = False  # the loop calls run.step() itself: optimizer hooks count nothing
     stopped: bool = False  # a stop signal was acted on: no final checkpoint at close
@@ -131,7 +144,16 @@ class StepHooks:
     def restore(self, b: Boundary) -> bool:
         return False
 
+    def started(self, b: Boundary) -> None:
+        pass
+
     def restored_from_disk(self, b: Boundary) -> None:
+        pass
+
+    def resumed(self, b: Boundary, meta: dict[str, Any]) -> None:
+        pass
+
+    def optimizer_step(self, b: Boundary) -> None:
         pass
 
     def before_batch(self, b: Boundary) -> None:
@@ -146,6 +168,9 @@ class StepHooks:
     def after_step(self, b: Boundary) -> None:
         pass
 
+    def first_step(self, b: Boundary) -> None:
+        pass
+
     def agree_stop(self, b: Boundary, signum: int, due: bool) -> tuple[int, bool]:
         return signum, due
 
@@ -158,8 +183,56 @@ class StepHooks:
     def summary(self, b: Boundary) -> dict[str, Any]:
         return {}
 
+    def logged(self, b: Boundary, record: dict[str, Any]) -> None:
+        pass
+
     def event(self, b: Boundary, record: dict[str, Any]) -> None:
+        pass
+
+    def ending(self, b: Boundary, code: int) -> None:
         pass
 
     def close(self, b: Boundary) -> None:
         pass
+
+
+class Found(Protocol):
+    """A complete step a tier holds: its step number and where (a folder, a URL, a description)."""
+    step: int
+
+    @property
+    def path(self) -> Any: ...
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A checkpoint tier: where the state of a step can be saved and found again, at its own cadence.
+
+    `durable`: a save here is a checkpoint the run may end on (the durable tier, or a second folder); it
+    supersedes a copy of the same step in a tier that is not. The boundary asks `due` at every counted step
+    (a step that ends an epoch owes its saves to the next batch, as the checkpoint does), and resume asks
+    `find` for a step newer than the durable tier's newest, on every rank alike."""
+    name: str
+    durable: bool
+
+    def due(self, step: int) -> bool: ...
+
+    def save(self, b: Boundary) -> None: ...  # everything registered, at b.steps.done (collective)
+
+    def wait(self) -> None: ...  # a save still being written is complete
+
+    def find(self, b: Boundary, newer_than: int | None, warn: Callable[[str], None]) -> Found | None: ...
+
+    def load(self, found: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]: ...
+
+    def sharded_keys(self, found: Any) -> set[str]: ...
+
+    def load_sharded(self, found: Any, template: dict[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...  # a new lineage (resume='never', a named step): what it holds is abandoned
+
+    def continues_from(self, step: int | None) -> None: ...  # this attempt continues the run from `step`
+
+    def take_blocking(self) -> dict[str, float]: ...  # {progress-window key: seconds the loop waited} since the last call
+
+    def close(self, clean: bool) -> None: ...

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EXIT_USER_ERROR, UserError
+from .errors import UserError
+from .exit_codes import EXIT_USER_ERROR
 from .run_account import CAUSES, LEDGER, RunAccount, account, max_steps_of, read
 from .run_folder import RunDir
 

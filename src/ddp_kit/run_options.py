@@ -30,7 +30,7 @@ def policy_from_options(run_dir: str | Path | None, options: dict[str, Any], pre
     """The Policy of `ddp_kit.init(run_dir, **options)`; an unknown option is refused in one line, with
     "did you mean" among `init_options` (init's own keywords) and the policy's, or pointed to
     run.prepare when it is one of `prepare_options`."""
-    known = {f.name for f in dataclasses.fields(Policy)} - {"run_dir"}
+    known = set(Policy.keywords()) - {"run_dir"}
     unknown = sorted(set(options) - known)
     if unknown:
         prepare = sorted(set(unknown) & set(prepare_options))

@@ -9,7 +9,8 @@ from collections import Counter
 from datetime import datetime
 from json import dumps
 
-from .errors import EXIT_USER_ERROR, UserError
+from .errors import UserError
+from .exit_codes import EXIT_USER_ERROR
 from .run_account import CAUSES, Attempt, RunAccount, load
 
 WATCH_DEFAULT_S = 10.0

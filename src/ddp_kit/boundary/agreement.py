@@ -10,12 +10,11 @@ import torch
 from ..dist.collectives import barrier, set_collective_timeout
 from ..errors import UserError
 from ..reliability.recipe import config_hash
-from ..reliability.sync_checks import check_agreement, shapes_digest
+from ..reliability.sync_checks import check_agreement, check_consistency, optimizer_steps, shapes_digest
 from ..version import __version__
-from .tracking import open_trackers
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 
@@ -70,6 +69,18 @@ def first_step_over(b: Boundary) -> None:
     set_collective_timeout(b.ctx, b.policy.collective_timeout_s)
     b.progress.warm = True
     b.flag.started()  # from here a stop signal is agreed on and checkpointed
-    open_trackers(b, start=b.steps.done - 1)  # a script that never called run.resume: it started at this step
+    for hook in b.hooks:
+        hook.first_step(b)
     b.records.first_step_over(b.steps.done)
     b.tell({"event": "first_step", "step": b.steps.done})
+
+
+def compare_weights(b: Boundary, done: int) -> None:
+    """Every sync_check_every steps: the ranks' parameter and buffer checksums compared (sync_checks.py)."""
+    with b.collective("sync check"):
+        b.nonfinite.check(b.ctx, b.checkpointer_if_open())  # NaN weights would read as divergence
+        steps = optimizer_steps(b.named(torch.optim.Optimizer))
+        for i, model in enumerate(b.models):
+            warning = check_consistency(b.ctx, model, done, b.policy.sync_fix, extra=steps if i == 0 else [])
+            if warning:
+                b.say(f"ddp_kit: warning: {warning}")

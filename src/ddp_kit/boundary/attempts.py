@@ -31,19 +31,22 @@ from typing import TYPE_CHECKING, Any
 
 from ..dist.collectives import gather_object, rank0_verdict
 from ..dist.launch_token import launch_of
-from ..errors import EXIT_USER_ERROR, UserError
-from ..reliability.verdicts import REPEATABLE, Verdict, of_stop
+from ..errors import UserError
+from ..exit_codes import EXIT_USER_ERROR
+from ..reliability.verdicts import REPEATABLE, Verdict
 from ..run_account import LEDGER
-from ..trackers.hub import CLOSE_TIMEOUT_S
-from . import grace_period
-from .ledger import append
-from .tracking import close_trackers
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 FILE = LEDGER  # the run ledger's file, named where it is read (ddp_kit/run_account.py)
 OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
+
+
+def append(path: Path, record: dict[str, Any]) -> None:
+    """One line, one write: a kill cuts at most this line."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 
@@ -98,15 +101,6 @@ def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
 
     b.previous_end = rank0_verdict(b.ctx, check)
     return number
-
-
-def end(b: Boundary, code: int) -> None:
-    """Record how this attempt ended (rank 0), in attempts.jsonl and to the trackers; never raises.
-    The end line first: a tracker slow to close (bounded by what a stop signal's grace period has left)
-    must not leave the SIGKILL at its end to take the line."""
-    record_end(b, code, b.verdict or of_stop(code, b.steps.done))
-    # bounded, and a tracker's failure is its own warning (trackers/hub.py)
-    close_trackers(b, code, grace_period.close_budget_s(b, CLOSE_TIMEOUT_S))
 
 
 def record_end(b: Boundary, code: int, verdict: Verdict, **extra: Any) -> None:

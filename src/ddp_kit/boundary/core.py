@@ -12,24 +12,18 @@ Everything the boundary does that involves the other ranks happens every N steps
 at the same step, so the ranks stay in lockstep without extra agreement:
 
     every step                 heartbeat (two attribute writes), loss folded into a device scalar
-    preempt_check_every        one all-reduce (sent a step ahead, read at the check): a stop signal on
-                               any rank, and "a timed checkpoint is due" (rank 0's clock); then
-                               checkpoint, requeue, exit 75 (stopping.py)
+    preempt_check_every        one all-reduce (sent a step ahead): a stop signal on any rank, and "a timed
+                               checkpoint is due"; then checkpoint, requeue, exit 75 (stopping.py)
     sync_check_every           parameter/buffer checksums compared across ranks
-    ckpt_every / ckpt_every_s  an atomic checkpoint of everything registered (saving.py)
+    each tier's cadence        a save of everything registered (the durable tier: ckpt_every, ckpt_every_s)
     log_every                  one metrics.jsonl record (loss, lr, samples/s, per-rank time split; records.py)
 
-This class holds the step state (hooks.StepState) and what is registered, and schedules; each
-concern it schedules is a module of its own beside it (docs/architecture.md names them), and what a
-strategy or a service adds at a step comes through hooks.StepHooks. Only this class saves. Library
-code: plain arguments (a Policy, a DistContext), never the job's config.
+This class holds the step state, what is registered, the hooks and the checkpoint tiers, and
+schedules; each concern is a module beside it (docs/architecture.md), and what a strategy or a service
+(service_registry.py) adds comes through hooks.StepHooks and hooks.Tier, never by name here.
 """
 from __future__ import annotations
 
-import dataclasses
-import socket
-import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,28 +32,23 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from .. import service_registry as services
 from ..checkpoint.backend import CheckpointBackend
-from ..checkpoint.memory_tier import MemoryTier
 from ..data import TrainLoader
 from ..dist import DistContext
-from ..dist.collectives import broadcast_object
-from ..dist.failfast import posted_failure
-from ..errors import EXIT_USER_ERROR, UserError
-from ..hooks import StepHooks, StepState
-from ..parallel.fsdp import memory_bytes
+from ..errors import UserError
+from ..hooks import StepHooks, StepState, Tier
 from ..parallel.strategy import DEFAULT, Strategy, strategy
-from ..reliability.failures import handle
 from ..reliability.numerics import NonFiniteLoss
 from ..reliability.preemption import PreemptFlag
 from ..reliability.progress import Progress
 from ..reliability.recipe import is_scheduler
-from ..reliability.sync_checks import check_consistency, optimizer_steps
-from ..reliability.verdicts import EXIT_HANG, Verdict, deterministic, of_failure, repeats
+from ..reliability.verdicts import Verdict
 from ..reliability.watchdog import Watchdog
 from ..run_folder import RunDir, hang_folder
-from . import agreement, attempts, grace_period, registration, resume, saving, stopping
-from .checkpoint_io import open_checkpointer, tier_location
-from .ledger import RunLedger
+from . import agreement, ending, failing, grace_period, registration, resume, saving, stopping
+from .checkpoint_io import open_checkpointer
+from .durable_tier import DurableTier
 from .lifecycle import RunResources, watch_store
 from .policy import Policy
 from .records import MetricsRecords
@@ -68,10 +57,7 @@ from .train_state import TrainState
 
 
 def _say(ctx: DistContext) -> Callable[[str], None]:
-    def say(msg: str) -> None:
-        if ctx.is_main:
-            print(msg, flush=True)
-    return say
+    return lambda msg: print(msg, flush=True) if ctx.is_main else None
 
 
 class StepBoundary:
@@ -89,20 +75,21 @@ class StepBoundary:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.meta: dict[str, Any] = {}
         self.strategy: Strategy = strategy(DEFAULT)  # run.prepare sets the one it wrapped the models with
-        # What strategies and services add at each step (hooks.py): strategy ft's quorum, ...
+        # What strategies and services add at each step (hooks.py; services/)
         self.hooks: list[StepHooks] = []
+        # Where a step's state is saved, each tier at its own cadence; the durable one first (hooks.Tier)
+        self.tiers: list[Tier] = [DurableTier(self)]
         self.steps = StepState()
         self.config: dict[str, Any] | None = None  # the run's own config: meta.json, config.yaml, startup agreement
         self.cuda_notes: Callable[[BaseException], list[str]] | None = None
-        self.attempt = 0  # this attempt's number in the run ledger (rank 0; 0 elsewhere, and without a run folder)
-        self.previous_end: dict[str, Any] | None = None  # the previous attempt's end line (attempts.begin)
+        self.attempt = 0  # this attempt's number in the run's history (rank 0; 0 elsewhere, and without a run folder)
+        self.previous_end: dict[str, Any] | None = None  # how the previous attempt ended, as recorded (the repeat rule)
         self.verdict: Verdict | None = None  # how this attempt ends, once it fails (fail)
         self.memory: dict[str, int] = {}  # this rank's parameter/gradient/optimizer bytes (fsdp.memory_bytes)
         self.nonfinite = NonFiniteLoss()
         self.records = MetricsRecords(ctx, policy)
         self.timer = self.records.timer
         self._ckpt: CheckpointBackend | None = None
-        self._mem: MemoryTier | None = None
         self.stop_ahead: Callable[[], tuple[int, bool]] | None = None  # the next stop check, sent a step early (stopping.py)
         self.watchdog = Watchdog(watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
@@ -116,32 +103,14 @@ class StepBoundary:
         self.resources.start(self.config)
         self.records.writer = self.resources.writer
         grace_period.check_at_start(self)
-        # A crash loop or a deterministic failure stops here, before any work.
-        self.attempt = attempts.begin(self, self.resources.leftover)
-        if self.attempt and self.rd is not None:  # rank 0: the run ledger's lines of this attempt
-            self.attach(RunLedger(self.rd.path / attempts.FILE, self.attempt))
-            self.watchdog.on_hang = self._hung
-            if self.ctx.failfast is not None:
-                self.ctx.failfast.on_stop = self._peer_failed
+        for made in services.start(self, self.policy.settings):  # every service's hooks and tiers (services/)
+            if isinstance(made, StepHooks):
+                self.attach(made)
+            if isinstance(made, Tier):
+                self.tiers.append(made)
+        for hook in list(self.hooks):
+            hook.started(self)  # a hook may refuse the start (a crash loop), before any work
         return self
-
-    def _peer_failed(self, posted: dict[str, Any]) -> int | None:
-        """Rank 0, stopped by another rank's failure: the end line names that failure; the same one at the
-        same step as the previous attempt's ends this one with exit 2 too."""
-        error = RuntimeError(str(posted.get("error", "")))
-        verdict = of_failure(1, error, posted, self.ctx.rank, socket.gethostname(), self.progress.step)
-        code = None
-        if repeats(verdict, self.previous_end):
-            verdict, code = deterministic(verdict), EXIT_USER_ERROR
-        attempts.record_end(self, code or 1, verdict)
-        return code
-
-    def _hung(self, stalled_s: float) -> None:
-        step = self.progress.step
-        attempts.record_end(self, EXIT_HANG, Verdict("hang", True, f"no progress for {stalled_s:.0f}s at step {step} in "
-                                                     f"{self.progress.phase} (stacks in {self.hang_dir})",
-                                                     "read the hang report; a restart resumes from the last checkpoint",
-                                                     rank=0, step=step), stalled_s=round(stalled_s, 3))
 
     @property
     def writer(self) -> RunWriter | None:
@@ -149,12 +118,15 @@ class StepBoundary:
 
     def close(self) -> None:
         try:
-            if self._ckpt is not None:
-                self._ckpt.close()  # never leave with an async save half-written; frees its host buffers
-                grace_period.note_timings(self)  # the last (async) save's time, while metrics.jsonl is open
-            attempts.end(self, self.steps.exit_code)
-            if self._mem is not None:  # a clean end frees the node's memory; a failed one leaves it to the restart
-                self._mem.close(clean=not (self.steps.failed or self.steps.stopped or self.steps.exit_code))
+            code, durable = self.steps.exit_code, [t for t in self.tiers if t.durable]
+            clean = not (self.steps.failed or self.steps.stopped or code)
+            # Durable saves are complete before the attempt's end is told; other copies are freed (a clean end) or left after it.
+            for tier in durable:
+                tier.close(clean)
+            for hook in self.hooks:
+                hook.ending(self, code)
+            for tier in [t for t in self.tiers if t not in durable]:
+                tier.close(clean)
         except Exception:
             if not self.steps.failed:  # after a failure, the failure is what gets reported
                 raise
@@ -173,26 +145,8 @@ class StepBoundary:
             self.cuda_notes = None
 
     def fail(self, err: BaseException) -> int:
-        """This process ends on `err`: say what the failure policy says, return the exit code."""
-        self.steps.failed = True
-        self.ctx.failing.set()
-        if self.ctx.failfast is not None:
-            self.ctx.failfast.quiet()
-        self.flag.closing = True  # torchrun's SIGTERM to the survivors is not a preemption
-        step = self.progress.step
-        found: list[str] = []
-        code = handle(err, self.ctx, step, self.progress.phase, self.hang_dir,
-                      hang_declared=self.watchdog.aborting.is_set(), notes=self.cuda_notes, found=found)
-        verdict = of_failure(code, err, posted_failure(self.ctx.store), self.ctx.rank, socket.gethostname(), step)
-        if found and verdict.name == "lost_peer":  # the peer that vanished, named, is the cause
-            verdict = dataclasses.replace(verdict, cause=found[0].removeprefix("ddp_kit: "))
-        if repeats(verdict, self.previous_end):
-            verdict, code = deterministic(verdict), EXIT_USER_ERROR
-            if verdict.rank == self.ctx.rank or self.ctx.is_main and verdict.rank is None:
-                print(f"ddp_kit: error: {verdict.cause}: not retrying, exiting with {code} (hint: {verdict.fix})",
-                      file=sys.stderr, flush=True)
-        self.verdict, self.steps.exit_code = verdict, code
-        return code
+        """This process ends on `err`: say what the failure policy says, return the exit code (failing.py)."""
+        return failing.fail(self, err)
 
     # ---- registration and the hooks that drive the implicit boundary ----------------------------------
 
@@ -207,42 +161,6 @@ class StepBoundary:
     def track(self, obj: Any, name: str | None = None, module: nn.Module | None = None) -> None:
         """Register `obj` for checkpointing (see registration.track)."""
         registration.track(self, obj, name, module)
-
-    def stepping(self, *_: object) -> None:
-        if self.steps.not_a_step:
-            return
-        if self._mem is not None and self._mem.copying is not None:  # the memory tier still reads what this step writes
-            self._mem.wait_copy()
-        self.progress.enter("optimizer", self.steps.done + 1)  # an error in optimizer.step() is named as being there
-        self.timer.mark("backward")
-        if self.steps.measure_grads:
-            self.steps.measure_grads = False
-            self.memory = memory_bytes(self.models, self.optimizers)
-
-    def stepped(self, *_: object) -> None:
-        if self.steps.not_a_step:
-            return
-        # The loop's own work after the optimizer step (scheduler.step(), zero_grad) is not forward/backward.
-        self.progress.enter("after step", self.steps.done + 1)
-        self.timer.mark("optimizer")
-        self.steps.pending = not self.steps.explicit
-
-    def fetching(self) -> None:
-        self.flush()
-        for hook in self.hooks:
-            hook.before_batch(self)
-        self.progress.enter("data", self.steps.done + 1)
-        self.timer.mark("other")
-
-    def epoch_end(self) -> None:
-        # The loop's own work between epochs (eval, a per-epoch scheduler) is a slow phase, not a hang.
-        self.progress.enter("between epochs")
-        for hook in self.hooks:
-            hook.epoch_ended(self)
-
-    def fetched(self) -> None:
-        self.timer.mark("data")
-        self.progress.enter("forward/backward")
 
     @contextmanager
     def state_io(self) -> Iterator[None]:
@@ -272,8 +190,8 @@ class StepBoundary:
 
     def step(self, loss: torch.Tensor | float | None = None, implicit: bool = False) -> int:
         self.steps.pending = False
-        if self._mem is not None and self._mem.copying is not None:  # a step an optimizer did not take (ft's gate)
-            self._mem.wait_copy()
+        for hook in self.hooks:  # a step whose optimizer did not step (ft's gate) lets go of what it would have
+            hook.optimizer_step(self)
         self.steps.explicit = self.steps.explicit or not implicit
         for loader in self.loaders:
             loader.commit()  # the batches this step used are consumed: the position a checkpoint keeps
@@ -290,42 +208,23 @@ class StepBoundary:
         self.timer.mark("other" if self.optimizers else "backward")
         self.timer.steps += 1
         if loss is not None:
-            if isinstance(loss, torch.Tensor) and (loss.device.type != "cpu" or loss.numel() != 1):
-                on_device = loss.detach().float()  # stays on the device: folded there, read only at log events
-                self.records.add_loss(on_device)
-                self.nonfinite.update(on_device, done)
-            else:  # on the host a read waits for nothing: plain floats, no tensor ops per step
-                on_host = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-                self.records.add_loss(on_host)
-                self.nonfinite.update_host(on_host, done)
+            self.records.take_loss(loss, done, self.nonfinite)
         if not p.warm:
             agreement.first_step_over(self)
-        save = bool(self.state and pol.ckpt_every and done % pol.ckpt_every == 0)
-        mem = bool(self.state and pol.mem_ckpt_every and done % pol.mem_ckpt_every == 0)
+        due = {t.name for t in self.tiers if t.due(done)} if self.state else set()
         check = bool(pol.preempt_check_every and done % pol.preempt_check_every == 0)
         if not implicit and self.loaders and self.loaders[0].position == 0:
             # The last step of an epoch, called from inside the loop: the loop's end-of-epoch work (a
             # per-epoch scheduler step, an eval) is still to come, and a checkpoint taken now would
-            # skip it on resume. Its checkpoint and stop check run at the next batch or epoch instead.
-            self.steps.owed_save |= save
+            # skip it on resume. Its saves and stop check run at the next batch or epoch instead.
+            self.steps.owed |= due
             self.steps.owed_check |= check
-            self.steps.owed_mem |= mem
-            save = check = mem = False
-        if check:
-            save = self._stop_check() or save
+            due, check = set(), False
+        if check and self._stop_check():  # a timed checkpoint is due
+            due.add(DurableTier.name)
         if pol.sync_check_every and done % pol.sync_check_every == 0:
-            with self.collective("sync check"):
-                self.nonfinite.check(self.ctx, self._ckpt)  # NaN weights would read as divergence
-                steps = optimizer_steps(self.named(torch.optim.Optimizer))
-                for i, model in enumerate(self.models):
-                    warning = check_consistency(self.ctx, model, done, pol.sync_fix, extra=steps if i == 0 else [])
-                    if warning:
-                        self.say(f"ddp_kit: warning: {warning}")
-        if save:
-            self.save()
-            self._stop_check()  # a signal that came during the save is acted on now
-        elif mem:
-            self.save_memory()
+            agreement.compare_weights(self, done)
+        self._save_tiers(due)
         if pol.log_every and done % pol.log_every == 0:
             self.log()
         if self.records.split is not None:  # the forward hooks, on the first steps of a window only
@@ -341,34 +240,25 @@ class StepBoundary:
         what an epoch's last step owes (see step)."""
         if self.steps.pending:
             self.step(None, implicit=True)
-        save, check, mem = self.steps.owed_save, self.steps.owed_check, self.steps.owed_mem
-        if save or check or mem:
-            self.steps.owed_save = self.steps.owed_check = self.steps.owed_mem = False
-            if check:  # after the epoch's end (an eval): on what the ranks know now, not a step ago
-                save = self._stop_check(fresh=True) or save
-            if save:
-                self.save()
-                self._stop_check()
-            elif mem:
-                self.save_memory()
+        due, check = set(self.steps.owed), self.steps.owed_check
+        if due or check:
+            self.steps.owed, self.steps.owed_check = set(), False
+            if check and self._stop_check(fresh=True):  # after the epoch's end (an eval): on what the ranks know now
+                due.add(DurableTier.name)
+            self._save_tiers(due)
+
+    def _save_tiers(self, due: set[str]) -> None:
+        """Save the tiers due at this step: a durable save supersedes the copies of this step in the
+        tiers that are not durable (they would hold what it holds)."""
+        durable = [t for t in self.tiers if t.name in due and t.durable]
+        for tier in durable or [t for t in self.tiers if t.name in due]:
+            tier.save(self)
+        if durable:
+            self._stop_check()  # a signal that came during the save is acted on now
 
     def finish(self) -> None:
         """At a clean end: a final checkpoint (if anything is registered and this step is not saved)."""
-        if self.steps.stopped or self.steps.failed:
-            return
-        self.flush()
-        if self.rd is not None and self.steps.resumed_from is not None and self.steps.done == self.steps.resumed_from:
-            self.say(f"ddp_kit: nothing left to train: this run resumed at step {self.steps.done} (epoch {self.epoch}), where "
-                     f"it had already finished; to start afresh pass resume='never' (--resume never; the old "
-                     f"checkpoints move to {self.rd.archive}/) or a new run_dir, or raise the epochs/steps to go on")
-        if self.policy.log_every and self.steps.done > self.records.last_log[1]:
-            self.log()  # the last steps since the last record: the picture and the summary end where the run did
-        if self.state and self.rd is not None and not (self.steps.stopped or self.steps.failed):
-            self.save()
-        # Rank 0's word: a script may write its summary on rank 0 only, and the default one is collective.
-        if self.rd is not None and not broadcast_object(self.ctx, self.records.summary_written if self.ctx.is_main else None):
-            self.write_summary(self.records.default_summary(self))
-        self.may_report()  # strategy ft without a summary (no run folder): the result is recorded all the same
+        ending.finish(self)
 
     # ---- what the boundary schedules, each in its own module ------------------------------------------
 
@@ -382,21 +272,6 @@ class StepBoundary:
 
     def checkpointer_if_open(self) -> CheckpointBackend | None:
         return self._ckpt
-
-    def memory_tier(self) -> MemoryTier:
-        """This job's memory tier on this node (collective the first time: a gloo group of its own)."""
-        if self._mem is None:
-            self._mem = MemoryTier(self.ctx, tier_location(self.checkpointer()), self.resources.run_id or "")
-        return self._mem
-
-    def memory_blocking(self) -> float:
-        """Seconds the loop waited for the memory tier since the last call (0 without one)."""
-        return self._mem.take_blocking() if self._mem is not None else 0.0
-
-    def save_memory(self) -> None:
-        """A memory-tier copy of everything registered at this step (collective: every rank at once)."""
-        if self.rd is not None and self.state and self.steps.saved != self.steps.done:
-            saving.save_memory(self, self.memory_tier())
 
     def resume(self, objects: dict[str, Any], check: Callable[[dict[str, Any]], str | None] | None = None) -> int:
         return resume.resume(self, objects, check)
@@ -426,16 +301,7 @@ class StepBoundary:
 
     def stop(self, signum: int) -> NoReturn:
         """Checkpoint, requeue where the launcher can, and exit 75 (130 for Ctrl-C), all ranks together."""
-        if self.policy.log_every and self.steps.done > self.records.last_log[1]:
-            self.log()  # the steps since the last record, as at a clean end: the resume starts after them
-        saved = bool(self.state) and self.rd is not None
-        took = time.monotonic()
-        if saved:
-            self.save()
-            self.progress.enter("checkpoint")  # an async save may still be writing: a slow phase, not a hang
-            self.checkpointer().wait()
-            grace_period.note_timings(self)
-        stopping.leave(self, signum, saved, time.monotonic() - took)
+        ending.stop(self, signum)
 
     def log(self) -> dict[str, Any]:
         return self.records.log(self)
@@ -443,10 +309,12 @@ class StepBoundary:
     def write(self, record: dict[str, Any]) -> None:
         """A metrics.jsonl record (rank 0 writes it), told to every hook."""
         self.records.write(record)
+        for hook in self.hooks:
+            hook.logged(self, record)
         self.tell(record)
 
     def tell(self, record: dict[str, Any]) -> None:
-        """An event of the run for the hooks only (the run ledger): the first step, a resume, ..."""
+        """An event of the run for the hooks only: the first step, a resume, ..."""
         for hook in self.hooks:
             hook.event(self, record)
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import EXIT_USER_ERROR, UserError, report_user_error
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 

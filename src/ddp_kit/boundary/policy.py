@@ -1,16 +1,23 @@
-"""What the step boundary does, and how often: the keywords of `ddp_kit.init()` beyond its own."""
+"""What the step boundary does, and how often: the keywords of `ddp_kit.init()` beyond its own.
+
+The boundary's own settings are Policy's fields; every service's settings (services/: the run ledger's,
+the trackers', the memory tier's, ...) are declared in the service's own file and held in `settings`,
+read as attributes too (policy.trackers). `Policy(**keywords)` takes both kinds by name."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
+from .. import service_registry as services
 from ..checkpoint.backend import scheme_of
 from ..errors import UserError
-from ..trackers import check_installed, parse, tracker_class
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Policy:
-    """What the step boundary does, and how often. Every field is a keyword of `ddp_kit.init()`."""
+    """What the step boundary does, and how often. Every field, and every service setting, is a keyword of `ddp_kit.init()`."""
 
     run_dir: str | None = None  # checkpoints, metrics.jsonl, hang reports; None: no checkpoints
     # where checkpoints go instead of run_dir/checkpoints: a folder every rank mounts, or a URL
@@ -20,11 +27,8 @@ class Policy:
     ckpt_every: int = 0  # optimizer steps between checkpoints (0: by time only)
     ckpt_every_s: float = 1800.0  # seconds between checkpoints (0: by steps only); checked every preempt_check_every
     keep_last: int = 3  # checkpoints kept (0: all)
-    # optimizer steps between memory-tier copies: node-local memory, copied on to a peer node (0: off)
-    mem_ckpt_every: int = 0
     async_ckpt: bool = False  # write checkpoints in a background thread
     ckpt_upload_timeout_s: float = 1800.0  # ckpt_dir a URL: stop when no checkpoint has committed for this long (0: never)
-    max_failed_attempts: int = 3  # under a restarter: this many failed attempts in a row without a new checkpoint stop the run (0: no limit)
     hang_timeout_s: float = 180.0  # no progress on a rank for this long: report the lagging rank, exit 3 (0: off)
     peer_timeout_s: float = 30.0  # a rank's heartbeat silent this long: it is named as gone, every rank exits (0: off)
     collective_timeout_s: float = 300.0  # every collective's timeout after step 1
@@ -35,18 +39,30 @@ class Policy:
     rank_metrics: bool = True  # each record holds every rank's time split; stragglers are named
     rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
     straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
-    # experiment trackers rank 0 logs each metrics.jsonl record to, one tracker run across every attempt:
-    # names from trackers.TRACKERS (tensorboard, mlflow, wandb), a list or one comma-separated string
-    trackers: tuple[str, ...] = ()
     ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down
+    settings: Mapping[str, Any] = field(default_factory=dict)  # every service's settings (services.settings)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "trackers", parse(self.trackers))
-        check_installed(self.trackers)
-        for name in self.trackers:
-            if tracker_class(name).needs_run_dir and self.run_dir is None:
-                raise UserError(f"tracker {name} writes into the run folder, and this run has none",
-                                'pass run_dir to ddp_kit.init(run_dir="runs/my_run", ...)')
+    def __init__(self, **given: Any) -> None:
+        own = {f.name: f for f in dataclasses.fields(self) if f.name != "settings"}
+        for name, f in own.items():
+            object.__setattr__(self, name, given.pop(name, f.default))
+        given = {**given.pop("settings", {}), **given}  # dataclasses.replace passes the settings back whole
+        object.__setattr__(self, "settings", services.settings(given, self.run_dir))
+        self._check()
+
+    def __getattr__(self, name: str) -> Any:
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def keywords(cls) -> tuple[str, ...]:
+        """Every keyword Policy takes: the boundary's own, then every service's settings."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "settings") + tuple(
+            o.name for o in services.options())
+
+    def _check(self) -> None:
         if self.run_dir is not None and scheme_of(str(self.run_dir)):
             raise UserError(f"run_dir {str(self.run_dir)!r} is a URL; run_dir is a local folder (metrics.jsonl, "
                             f"summary.json, hang reports), and checkpoints go to a URL through ckpt_dir",

@@ -14,15 +14,15 @@ from ..dist.collectives import all_reduce_sum, gather_object
 from ..parallel.digest import param_sha256
 from ..parallel.fsdp import memory_bytes
 from ..reliability.metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
-from ..reliability.recipe import NOT_RECIPE, config_hash
+from ..reliability.numerics import NonFiniteLoss
+from ..reliability.recipe import config_hash, not_recipe
 from ..version import __version__
 from .forward_split import ForwardSplit
 from .policy import Policy
 from .run_writer import RunWriter
-from .tracking import hub_for
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 
@@ -38,7 +38,6 @@ class MetricsRecords:
         self.stragglers = StragglerWatch(policy.straggler_margin)
         self.on_log: list[Callable[[dict[str, Any]], None]] = []
         self.writer: RunWriter | None = None  # set once the run folder is open (lifecycle)
-        self.trackers = hub_for(ctx, policy.trackers)  # every record goes to them too (tracking.py opens them)
         self.summary_written = False  # the script (or the reference job) wrote summary.json itself
         self.last_eval: dict[str, Any] = {}  # the last record logged with event "eval" (run.log_event)
         self.last_train: dict[str, Any] = {}
@@ -47,6 +46,17 @@ class MetricsRecords:
         self._window_n = 0
         self.first_step = (0.0, 0)  # (when, at which step) the first step ended: the ledger's windows start there
         self.last_log = (time.perf_counter(), 0)  # (when, at which step) the last record was made
+
+    def take_loss(self, loss: torch.Tensor | float, done: int, nonfinite: NonFiniteLoss) -> None:
+        """Step `done`'s loss into the window and the non-finite watch."""
+        if isinstance(loss, torch.Tensor) and (loss.device.type != "cpu" or loss.numel() != 1):
+            on_device = loss.detach().float()  # stays on the device: folded there, read only at log events
+            self.add_loss(on_device)
+            nonfinite.update(on_device, done)
+        else:  # on the host a read waits for nothing: plain floats, no tensor ops per step
+            on_host = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            self.add_loss(on_host)
+            nonfinite.update_host(on_host, done)
 
     def add_loss(self, value: torch.Tensor | float) -> None:
         """A step's loss, folded into a device scalar (never read on the spot), or a float read on the host."""
@@ -95,9 +105,8 @@ class MetricsRecords:
         b.write(record)
         t1, s1 = max(self.last_log, self.first_step)  # the window, less the start-up before the first step
         window = {"event": "progress", "step": done, "window_s": round(now - t1, 4), "steps": done - s1}
-        mem_s = b.memory_blocking()  # the memory tier's waits: checkpoint time, not steps
-        if mem_s:
-            window["mem_s"] = round(mem_s, 4)
+        for tier in b.tiers:  # the loop's waits for a tier (the memory tier's "mem_s"): checkpoint time, not steps
+            window.update({key: round(s, 4) for key, s in tier.take_blocking().items() if s})
         if ranks:  # the rank whose own work (not its waits) was slowest in this window
             slowest = max(ranks, key=lambda x: x.get("local_s", 0.0))
             window.update(slowest_rank=slowest["rank"], slowest_host=slowest.get("host"))
@@ -112,7 +121,6 @@ class MetricsRecords:
             self.last_train = record
         if self.writer is not None:
             self.writer.log(record)
-        self.trackers.log(record)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.summary_written = True
@@ -136,11 +144,10 @@ class MetricsRecords:
                "device": str(self.ctx.device), "resumed_from_step": b.steps.resumed_from or None,
                "strategy": b.strategy.name, "model_state_bytes": b.memory}
         if b.config is not None:
-            out["config_hash"] = config_hash(b.config, leave_out=NOT_RECIPE)  # the recipe's, as summary.json and meta.json
+            out["config_hash"] = config_hash(b.config, leave_out=not_recipe())  # the recipe's, as summary.json and meta.json
         return out
 
     def clear(self) -> None:
         self.on_log.clear()
         if self.split is not None:
             self.split.clear()
-        self.trackers.close(1)  # a no-op after attempts.end closed them with the attempt's exit code

@@ -12,9 +12,10 @@ from ..data import TrainLoader
 from ..errors import UserError
 from ..parallel.ddp import unwrap
 from ..reliability.recipe import is_scheduler
+from . import loop_hooks
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 
@@ -36,12 +37,14 @@ def track(b: Boundary, obj: Any, name: str | None = None, module: nn.Module | No
         base = "model"
     elif isinstance(obj, TrainLoader):
         b.loaders.append(obj)
-        obj.on_fetch, obj.on_batch, obj.on_end = b.fetching, b.fetched, b.epoch_end
+        obj.on_fetch = lambda: loop_hooks.fetching(b)
+        obj.on_batch = lambda: loop_hooks.fetched(b)
+        obj.on_end = lambda: loop_hooks.epoch_end(b)
         base = "data"
     elif isinstance(obj, torch.optim.Optimizer):
         b.optimizers.append(obj)
-        obj.register_step_pre_hook(b.stepping)  # backward and DDP's wait end here
-        obj.register_step_post_hook(b.stepped)
+        obj.register_step_pre_hook(lambda *_: loop_hooks.stepping(b))  # backward and DDP's wait end here
+        obj.register_step_post_hook(lambda *_: loop_hooks.stepped(b))
         for hook in b.hooks:  # strategy ft: the step runs only if the quorum commits it
             hook.gate(obj, scheduler=False)
         base = "optimizer"

@@ -11,13 +11,13 @@ import torch
 from ..checkpoint.checkpointer import set_rng_state
 from ..dist.collectives import broadcast_object
 from ..errors import UserError
+from ..hooks import Tier
 from ..parallel.strategy import UNRECORDED
 from ..reliability.recipe import hyperparameters, is_scheduler, overridden, refuse_changed
 from .checkpoint_io import archive_lineage
-from .tracking import META_KEY, open_trackers
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 
@@ -32,43 +32,58 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
     # A replica group that restarts while others train (strategy ft) takes their state live instead.
     live = any([hook.restore(b) for hook in b.hooks])
     warn = lambda msg: b.say(f"ddp_kit: warning: {msg}")
-    found = mem = None
-    durable: int | None = None  # the durable tier's newest step, when the memory tier was asked first
-    tiered = not live and bool(b.policy.mem_ckpt_every) and b.rd is not None
-    if tiered:
-        ckpt.claim()  # one writer: before the memory tier's cleanup and a resume that never calls find
-        tier = b.memory_tier()
-        if b.policy.resume == "auto":  # newer than the durable step, on every rank: a copy in memory
-            known, durable = _durable_latest(b, ckpt)
-            if not known:  # the pointer could not be read: the durable tier's own choice first, as its floor
-                found = ckpt.find(b.policy.resume, warn=warn)
-                durable = found.step if found is not None else None
-            mem = tier.find(durable, warn)
-        else:  # a new lineage (never, or a named step): what the memory tier holds is abandoned
-            tier.clear()
-    if not live and mem is None and found is None:  # (a step in memory: the durable one is never downloaded)
-        found = ckpt.find(b.policy.resume, warn=warn)
-    meta = _restore(b, tier if mem else ckpt, mem or found, check) if (mem or found) is not None else {}
-    if mem is not None:  # not durable until saved durably: the end, a stop or the next ckpt_every saves it
+    durable_tier, others = b.tiers[0], [t for t in b.tiers[1:]] if not live and b.rd is not None else []
+    source, found, durable = _find(b, ckpt, durable_tier, others, warn) if not live else (durable_tier, None, None)
+    meta = _restore(b, source, found, check) if found is not None else {}
+    if source is not durable_tier:  # not durable until saved durably: the end, a stop or the next ckpt_every saves it
         b.steps.saved = durable if durable is not None else -1
-    if tiered:
+    for tier in others:
         tier.continues_from(b.steps.resumed_from)
     if not live:
         for hook in b.hooks:
             hook.restored_from_disk(b)
     if b.ctx.is_main and b.rd is not None and b.writer is not None and not live:  # a live recovery continues the run's own lineage
         archive_lineage(ckpt, b.rd, b.writer, b.policy.resume == "never", b.steps.resumed_from, b.steps.resumed_path, b.say,
-                        from_memory=mem is not None, durable=durable)
+                        from_memory=source is not durable_tier, durable=durable)
     if b.policy.ckpt_every == 0 and b.rd is not None:
         every = b.policy.ckpt_every_s
         b.say(f"ddp_kit: checkpoints {f'every {every / 60:g} min (ckpt_every_s) and ' if every > 0 else ''}at the "
               f"end, none by step (ckpt_every=0); pass ckpt_every=N to ddp_kit.init for one every N steps")
-    b.tell({"event": "resume", "step": b.steps.done, "from": "peer" if live else "checkpoint" if mem or found else "none",
-            # which tier, and the durable step a restart without the memory tier would have replayed from
-            **({"tier": mem.tier if mem else "durable", "durable_step": (durable if mem else found.step if found else 0) or 0}
-               if mem or found else {})})
-    open_trackers(b, start=b.steps.done, saved=meta.get(META_KEY))  # this attempt's first step is known now
+    b.tell({"event": "resume", "step": b.steps.done, "from": "peer" if live else "checkpoint" if found else "none",
+            # which tier, and the durable step a restart without the other tiers would have replayed from
+            **({"tier": getattr(found, "tier", source.name), "durable_step": (found.step if source is durable_tier else durable) or 0}
+               if found else {})})
+    for hook in b.hooks:
+        hook.resumed(b, meta)  # this attempt's first step is known now
     return b.steps.done
+
+
+def _find(b: Boundary, ckpt: Any, durable_tier: Tier, others: list[Tier],
+          warn: Callable[[str], None]) -> tuple[Tier, Any, int | None]:
+    """(the tier, the newest complete step across the tiers, the durable tier's newest step when another
+    tier was asked first). The durable step is the floor: another tier's copy counts only when newer."""
+    found: Any = None
+    durable: int | None = None
+    if others:
+        ckpt.claim()  # one writer: before another tier's cleanup and a resume that never calls find
+        if b.policy.resume != "auto":  # a new lineage (never, or a named step): what the other tiers hold is abandoned
+            for tier in others:
+                tier.clear()
+        else:
+            known, durable = _durable_latest(b, ckpt)  # a name only: the durable step is downloaded only if needed
+            if not known:  # the pointer could not be read: the durable tier's own choice first, as its floor
+                found = ckpt.find(b.policy.resume, warn=warn)
+                durable = found.step if found is not None else None
+            best: tuple[Tier, Any] | None = None
+            for tier in others:  # every rank asks every tier: each find is collective
+                mine = tier.find(b, durable, warn)
+                if mine is not None and (best is None or mine.step > best[1].step):
+                    best = (tier, mine)
+            if best is not None:
+                return best[0], best[1], durable
+    if found is None:
+        found = ckpt.find(b.policy.resume, warn=warn)
+    return durable_tier, found, durable
 
 
 def _durable_latest(b: Boundary, ckpt: Any) -> tuple[bool, int | None]:

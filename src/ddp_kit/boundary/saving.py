@@ -11,12 +11,12 @@ from ..checkpoint.backend import CheckpointBackend
 from ..checkpoint.checkpointer import rng_state
 from ..checkpoint.memory_tier import MemoryTier
 from ..parallel.ddp import sync_ddp_buffers
-from ..reliability.recipe import NOT_RECIPE, config_hash
+from ..reliability.recipe import config_hash, not_recipe
 from ..version import __version__
 from . import grace_period
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 
@@ -26,7 +26,7 @@ def save(b: Boundary, ckpt: CheckpointBackend) -> None:
     b.nonfinite.check(b.ctx, ckpt)  # never save a run whose loss went NaN/inf
     for model in b.models:  # model.pt holds rank 0's buffers: from here every rank has those too
         sync_ddp_buffers(model)
-    shared, sharded, meta = _state(b)
+    shared, sharded, meta = snapshot(b)
     phase = b.progress.phase
     b.progress.enter("checkpoint")
     ckpt.save(b.steps.done, shared, {"rng": rng_state()}, meta, sharded=sharded)
@@ -40,7 +40,7 @@ def save_memory(b: Boundary, tier: MemoryTier) -> None:
     """A memory-tier copy of everything registered at this step: what `save` writes, each rank its
     own (DDP's buffers as they are on this rank: nothing is synchronized, so the copy changes no
     training), blocking for the copy into node memory only (memory_tier.py)."""
-    shared, sharded, meta = _state(b)
+    shared, sharded, meta = snapshot(b)
     phase = b.progress.phase
     b.progress.enter("checkpoint")
     # Only optimizer.step writes parameters and optimizer state, and it waits for their copy (core.stepping).
@@ -57,7 +57,7 @@ def _owned(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for t in params + state if t.numel()]
 
 
-def _state(b: Boundary) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+def snapshot(b: Boundary) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """(shared state, the strategy's sharded state, meta) of this step: what every tier saves."""
     models, optimizers = b.sharded()
     shared = {**b.state.state_dict(skip=frozenset(models) | frozenset(optimizers)), "loop": {"step": b.steps.done}}
@@ -65,7 +65,7 @@ def _state(b: Boundary) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str
         sharded = b.strategy.state_dicts(models, optimizers)
     meta = {"ddp_kit": __version__, "torch": torch.__version__, "strategy": b.strategy.name, **b.meta}
     if b.config is not None:
-        meta.update(config=b.config, config_hash=config_hash(b.config, leave_out=NOT_RECIPE))
+        meta.update(config=b.config, config_hash=config_hash(b.config, leave_out=not_recipe()))
     if b.loaders:
         meta.update(epoch=b.loaders[0].epoch, position=b.loaders[0].position)
     return shared, sharded, meta

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, NoReturn
 from ..dist.collectives import barrier
 from ..reliability.preemption import agree_stop, agree_stop_later, exit_code, requeue, requeues
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 
 

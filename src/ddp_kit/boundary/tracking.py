@@ -24,8 +24,8 @@ from ..trackers.base import Opening
 from ..trackers.hub import Hub, TrackerRuns
 from ..version import __version__
 
-if TYPE_CHECKING:  # the core imports its parts; they name it for the type checker only
-    from .core import StepBoundary as Boundary
+if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
+    from .protocol import Boundary
 
 META_KEY = "trackers"  # in a checkpoint's meta.json: {tracker: {"run_id": ..., "logged_step": ...}}
 
@@ -35,10 +35,9 @@ def hub_for(ctx: Any, names: tuple[str, ...]) -> Hub:
     return Hub(names, active=ctx.is_main and ctx.env.leads_job)
 
 
-def open_trackers(b: Boundary, start: int, saved: dict[str, Any] | None = None) -> None:
+def open_trackers(b: Boundary, hub: Hub, start: int, saved: dict[str, Any] | None = None) -> None:
     """Open the trackers (once): this attempt trains from step `start`; `saved` is the resumed
     checkpoint's meta entry (None: no checkpoint was read)."""
-    hub: Hub = b.records.trackers
     if hub.opened or hub.closed or not hub.names:
         return
     path = b.rd.trackers if b.rd is not None else None
@@ -81,14 +80,13 @@ def lineage(name: str, saved: dict[str, Any], here: dict[str, Any], fresh: bool,
     return None, None
 
 
-def close_trackers(b: Boundary, exit_code: int, within_s: float | None = None) -> None:
+def close_trackers(b: Boundary, hub: Hub, exit_code: int, within_s: float | None = None) -> None:
     """The attempt ends: records held for trackers that never opened (no step was trained) open
     them first; then every tracker gets what is queued and the exit code, within hub's bounds and
     `within_s` (what a stop signal's grace period leaves: grace_period.close_budget_s)."""
-    hub: Hub = b.records.trackers
     if not hub.opened and hub.has_pending:
         try:
-            open_trackers(b, start=b.steps.done)
+            open_trackers(b, hub, start=b.steps.done)
         except Exception as err:  # the attempt is ending: its exit code is what matters now
             hub.say(f"ddp_kit: warning: the trackers could not be opened ({type(err).__name__}: {err})")
     if within_s is None:

@@ -25,9 +25,9 @@ import torch.distributed as tdist
 
 from ..env import poll_period
 from ..errors import UserError
+from ..exit_codes import EXIT_PEER_FAILED
 from .rounds import round_prefix
 
-EXIT_PEER_FAILED = 1
 FAILED_KEY = "ddp_kit/failed"
 # How long the process hosting the store (rank 0 outside torchrun) stays after a failure is posted:
 # once it exits the store is gone, and ranks that had not polled yet would see only a broken socket.

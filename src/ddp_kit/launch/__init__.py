@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import EXIT_USER_ERROR, UserError
+from ..errors import UserError
+from ..exit_codes import EXIT_USER_ERROR
 from .slurm import LAYOUTS, render, slurm, template_path
 
 __all__ = ["LAYOUTS", "render", "slurm", "template_path", "main"]

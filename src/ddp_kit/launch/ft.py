@@ -38,7 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import EXIT_USER_ERROR, UserError
+from ..errors import UserError
+from ..exit_codes import EXIT_USER_ERROR
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 RESULTS = "DDP_KIT_FT_RESULTS"  # the results folder, read by each group (parallel/ft.py, FtHooks.may_report)

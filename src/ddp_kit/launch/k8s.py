@@ -22,11 +22,10 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from ..errors import UserError
+from ..exit_codes import EXIT_PREEMPTED, EXIT_USER_ERROR  # torch-free: rendering does not import torch
 
 ENGINES = ("trainjob", "pytorchjob", "volcano")
 K8S_LAYOUTS = ("torchrun", "process")
-EXIT_PREEMPTED = 75  # reliability/preemption.py; not imported, so that rendering does not import torch
-EXIT_USER_ERROR = 2  # errors.py: the same failure on every attempt, never worth a restart
 # PyTorchJob's ExitCode policy retries only 128-255 (training-operator pkg/util/train IsRetryableExitCode:
 # exitCode >= 128); 75 + 128 sits above every 128 + signal number (<= 192), and so do the retryable
 # failures 1 (crashed, lost peer, infrastructure) and 3 (hung) moved up by 192: 193 and 195.

@@ -17,8 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UserError
+from ..options import Option
 from .device import to_device
-from .strategy import Option, Strategy, article, foreign_keys
+from .strategy import Strategy, article, foreign_keys
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from .strategy import Option, Strategy, article, foreign_keys, strategy
+from ..options import Option
+from .strategy import Strategy, article, foreign_keys, strategy
 
 
 def _block_names(value: str) -> list[str] | None:

@@ -5,7 +5,7 @@ A strategy is one frozen object defined in its own file (ddp.py, fsdp.py) and na
 strategy's name; it asks the object (`sharded`, `wrap`, `accumulate`, `state_dicts`, ...). The
 name is what a checkpoint's meta.json records.
 
-A strategy's own options are declared once, in its file, as a tuple of `Option`: run.prepare takes
+A strategy's own options are declared once, in its file, as a tuple of `Option` (ddp_kit/options.py): run.prepare takes
 them (in the dict under the strategy's `keyword`), and the reference job's config, --help_config
 and the recipe's resume rule (reliability/recipe.py) read their keys, defaults, help and
 `resumable` from there (`config_options`, `option_keywords`).
@@ -22,33 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
+from ..options import Option
 
 # name -> the module that defines it as STRATEGY; the first is the default
 STRATEGIES: dict[str, str] = {"ddp": "ddp_kit.parallel.ddp", "fsdp": "ddp_kit.parallel.fsdp", "ft": "ddp_kit.parallel.ft"}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 DEFAULT = NAMES[0]
 UNRECORDED = "ddp"  # the strategy of a checkpoint whose meta.json names none (written before there was a choice)
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option of a strategy, declared in the strategy's file (see the module docstring)."""
-
-    name: str  # its key in the strategy's options dict of run.prepare (fsdp={"cpu_offload": True})
-    default: Any  # the config key's default (run.prepare's, through `parse`); its type is the key's unless `type` says
-    help: str = ""  # the config key's line in --help_config
-    key: str | None = None  # the reference job's config key; None: run.prepare's dict only
-    resumable: bool = False  # may differ between a checkpoint and the run resuming it (reliability/recipe.py)
-    type: Any = None  # the config key's type where the default does not say it (float | None)
-    choices: tuple | None = None  # the config values allowed
-    parse: Callable[[Any], Any] | None = None  # config value -> run.prepare's value ("Block, Head" -> ["Block", "Head"])
-    # A keyword of run.prepare itself (sync_bn), passed by the job under every strategy, not in the dict:
-    # listed here as the config key that only this strategy reads.
-    own_keyword: bool = False
-
-    @property
-    def config_type(self) -> Any:
-        return self.type if self.type is not None else type(self.default)
 
 
 @dataclass(frozen=True)

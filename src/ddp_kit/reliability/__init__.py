@@ -6,7 +6,7 @@ watchdog, peer loss, preemption, sync checks, numerics, metrics and progress; an
 # asks for config_hash, and importing every module here would load torch for it.
 _PUBLIC = {
     "param_sha256": "sync_checks",
-    "NOT_RECIPE": "recipe", "RESUMABLE": "recipe", "config_hash": "recipe", "describe_changes": "recipe",
+    "NOT_RECIPE": "recipe", "RESUMABLE": "recipe", "config_hash": "recipe", "describe_changes": "recipe", "not_recipe": "recipe",
     "recipe_changes": "recipe", "refuse_changed": "recipe",
     "model_flops_per_sample": "metrics", "peak_tflops": "metrics",
 }

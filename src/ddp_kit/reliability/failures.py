@@ -23,13 +23,11 @@ import traceback
 from collections.abc import Callable
 
 from ..dist import DistContext, hosts_store
-from ..dist.failfast import EXIT_PEER_FAILED, LINGER_S, peer_failure, post, same_error, say_stop
-from ..errors import EXIT_USER_ERROR, UserError
+from ..dist.failfast import LINGER_S, peer_failure, post, same_error, say_stop
+from ..errors import UserError
+from ..exit_codes import EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PEER_FAILED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from .peer_loss import diagnose_peer_loss, is_comm_error
-from .preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from .watchdog import EXIT_HANG
 
-EXIT_FAILED = 1
 __all__ = ["EXIT_FAILED", "EXIT_HANG", "EXIT_INTERRUPTED", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "EXIT_USER_ERROR",
            "handle", "linger"]
 

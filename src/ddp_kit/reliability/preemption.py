@@ -27,10 +27,9 @@ import torch.distributed as tdist
 
 from ..dist import DistContext
 from ..env import DistEnv
+from ..exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ..hooks import STOP_PRIORITY
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)  # every DistEnv.preempt_signal among them
 SAME_PRESS_S = 1.0  # SIGINTs closer than this are one Ctrl-C (the terminal's and torchrun's copy)
 

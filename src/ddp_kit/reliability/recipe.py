@@ -13,10 +13,10 @@ from typing import Any
 
 from ..errors import UserError
 
-NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
-                        "ckpt_every", "mem_ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
+_NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
+                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
                         "collective_timeout_s", "hang_timeout_s", "peer_timeout_s", "preempt_check_every", "rank_metrics", "rank_records_max",
-                        "straggler_margin", "ckpt_dir", "ckpt_upload_timeout_s", "max_failed_attempts", "trackers"})
+                        "straggler_margin", "ckpt_dir", "ckpt_upload_timeout_s"})
 # Keys that may differ between a checkpoint and the run resuming it: how long the run goes, where
 # it executes, and its bookkeeping. Anything that changes what a step computes (model, data, batch,
 # optimizer and its settings, LR and schedule shape, precision, seed) may not: the restored optimizer
@@ -29,7 +29,9 @@ NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt
 #   eval_every_epoch    evaluation only.
 # compile and channels_last keep the math too, but resuming across them is untested, so they stay out.
 # A strategy's own config keys say it themselves (Option.resumable, parallel/<name>.py): see RESUMABLE.
-_JOB_RESUMABLE = NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
+# A service's settings (services/<name>.py: the run ledger, trackers, the memory tier, ...) are its
+# bookkeeping: those declared resumable are not recipe either (NOT_RECIPE).
+_JOB_RESUMABLE = _NOT_RECIPE | frozenset({"epochs", "max_steps", "data_root", "download", "device", "backend",
                                          "eval_every_epoch", "tf32", "cudnn_benchmark", "deterministic", "device_data"})
 # These differ on every recovery by nature (resume) or are never applied to a resumed run (inject).
 _UNREPORTED = frozenset({"resume", "inject"})
@@ -47,16 +49,26 @@ def recipe_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tupl
 
 
 def _resumable() -> frozenset[str]:
-    """RESUMABLE: the job's keys above and each strategy's config keys declared resumable. Asked for
-    late: it imports every strategy's file (and torch), which the rest of this module does without."""
+    """RESUMABLE: the job's keys above, each strategy's config keys declared resumable and the
+    services' (NOT_RECIPE). Asked for late: it imports every strategy's file (and torch), which the rest
+    of this module does without."""
     from ..parallel.strategy import config_options
 
-    return _JOB_RESUMABLE | frozenset(o.key for o in config_options() if o.resumable)
+    return _JOB_RESUMABLE | not_recipe() | frozenset(o.key for o in config_options() if o.resumable)
+
+
+def not_recipe() -> frozenset[str]:
+    """NOT_RECIPE: the keys above and every service's resumable settings (torch-free: services/ declares them)."""
+    from ..service_registry import options
+
+    return _NOT_RECIPE | frozenset(o.key or o.name for o in options() if o.resumable)
 
 
 def __getattr__(name: str) -> Any:
     if name == "RESUMABLE":
         return _resumable()
+    if name == "NOT_RECIPE":
+        return not_recipe()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

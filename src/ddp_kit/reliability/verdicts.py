@@ -47,9 +47,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import EXIT_USER_ERROR, Unavailable, UserError
+from ..errors import Unavailable, UserError
+from ..exit_codes import EXIT_HANG as EXIT_HANG  # its old home: `from ..reliability.verdicts import` still works
+from ..exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 
-EXIT_FAILED, EXIT_HANG, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 75, 130
 REPEATABLE = ("program_error", "out_of_memory")  # the same one twice at one step will not heal
 _INFRA_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 _INFRA_WORDS = ("disk full", "No space left on device", "Read-only file system", "Input/output error")

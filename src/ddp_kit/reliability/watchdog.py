@@ -31,9 +31,9 @@ from pathlib import Path
 from ..dist import FR_PREFIX
 from ..dist.failfast import post
 from ..env import poll_period
+from ..exit_codes import EXIT_HANG
 from .progress import PHASES, SLOW_PHASES, Progress
 
-EXIT_HANG = 3
 _ABORT = "ddp_kit/abort"
 
 _LIBRARY_DIRS = (str(Path(__file__).resolve().parent), str(Path(traceback.__file__).resolve().parent))

@@ -18,11 +18,10 @@ from typing import Any
 
 import yaml
 
+from ..api import service_options
 from ..errors import UserError
 from ..parallel import STRATEGY_NAMES, find_strategy, strategy_config_options
-from ..reliability import NOT_RECIPE, config_hash
-from ..trackers import check_installed
-from ..trackers import parse as parse_trackers
+from ..reliability import config_hash, not_recipe
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
@@ -70,13 +69,11 @@ class JobKeys:
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")
     ckpt_every: int = _f(100, "Optimizer steps between checkpoints (0: only the final one). Checkpoints go to run_dir/checkpoints.")
-    mem_ckpt_every: int = _f(0, "Optimizer steps between memory-tier checkpoints: each rank's state copied into node memory (/dev/shm, or DDP_KIT_MEM_DIR), and on to a rank of the next node; a restart resumes from the newest of them when it is newer than the durable checkpoint (0: off).")
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted after a newer one is committed (0: keep all).")
     resume: str = _f("auto", "auto: continue from the newest valid checkpoint in run_dir; never: start fresh; or a checkpoint folder path.")
     async_ckpt: bool = _f(False, "Copy the state to CPU memory and write the checkpoint in a background thread.")
     ckpt_dir: str | None = _f(None, "Where checkpoints go instead of run_dir/checkpoints: a folder every node mounts, or a URL (s3://bucket/prefix, gs://, az://, file:///path; pip install 'ddp_kit[s3]'). With a URL, run_dir (metrics, summary, hang reports) may be each node's local disk.")
     ckpt_upload_timeout_s: float = _f(1800.0, "ckpt_dir a URL: a failed upload is retried and training goes on; stop the run when no checkpoint has committed for this long (0: never).")
-    max_failed_attempts: int = _f(3, "Under a restarter (Kubernetes, Ray, torchrun --max-restarts, a SLURM requeue): stop with exit 2 when this many attempts in a row failed without a new checkpoint; preemptions do not count (0: no limit).")
     sync_check_every: int = _f(100, "Optimizer steps between cross-rank parameter/buffer checksum comparisons (0: off).")
     sync_fix: str = _f("error", "On divergence: error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("error", "broadcast"))
     collective_timeout_s: float = _f(300.0, "Timeout of every collective after the first step (set behind a barrier).")
@@ -86,7 +83,6 @@ class JobKeys:
     rank_metrics: bool = _f(True, "Gather every rank's step-time split, samples/s and peak memory into metrics.jsonl at each log event.")
     rank_records_max: int = _f(64, "Up to this world size each metrics record keeps every rank's entry; above it, the median, max and argmax rank per field.")
     straggler_margin: float = _f(0.2, "Warn when a rank's own work per step exceeds the median rank's by this fraction for 2 log windows (0: off).")
-    trackers: str = _f("", "Experiment trackers rank 0 logs every metrics.jsonl record to, comma-separated: tensorboard (run_dir/tb), mlflow, wandb (pip install 'ddp_kit[NAME]'); settings from their own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, WANDB_MODE, ...). Every attempt of the run continues one tracker run. See docs/observability.md.")
     inject: str = _f("", "Test hook: faults to inject, e.g. kill:rank=1:step=8 (see ddp_kit/train/inject.py).")
     debug_ckpt_delay_s: float = _f(0.0, "Test hook: sleep this long inside each checkpoint file write.")
 
@@ -98,7 +94,7 @@ class _Methods:
     def hash(self) -> str:
         """A short, stable hash of the recipe: ranks and checkpoints compare it. Keys that do not
         change the computation (logging, resume mode, test hooks) are left out."""
-        return config_hash(self.to_dict(), leave_out=NOT_RECIPE)
+        return config_hash(self.to_dict(), leave_out=not_recipe())
 
 
 def _config_class() -> type:
@@ -110,6 +106,8 @@ def _config_class() -> type:
                                                 f.metadata["help"], f.metadata["choices"])))
         if f.name == "strategy":
             keys += [(o.key, o.config_type, _f(o.default, o.help, o.choices)) for o in strategy_config_options()]
+    # every service's settings that have a config key, as each service declares them (services/)
+    keys += [(o.key, o.config_type, _f(o.default, o.help, o.choices)) for o in service_options() if o.key]
     cls = dataclasses.make_dataclass("TrainConfig", keys, bases=(_Methods,), frozen=True)
     cls.__module__, cls.__doc__ = __name__, "The reference job's resolved config: JobKeys and the strategies' keys."
     return cls
@@ -279,10 +277,12 @@ def _validate(cfg: TrainConfig) -> None:
         raise UserError(f"max_steps must be at least 1 or None; got {cfg.max_steps}", "drop --max_steps to run all epochs")
     if cfg.lr <= 0:
         raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
-    for key in ("ckpt_every", "mem_ckpt_every", "keep_last", "sync_check_every"):
+    for key in ("ckpt_every", "keep_last", "sync_check_every"):
         if getattr(cfg, key) < 0:
             raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
-    check_installed(parse_trackers(cfg.trackers))
+    for option in service_options():  # each service's own rules (>= 0, a tracker installed, ...)
+        if option.key:
+            option.value(getattr(cfg, option.key))
     if cfg.inject:
         from .inject import parse
 
