@@ -22,6 +22,9 @@ With --srun (inside a SLURM allocation, slurm/ft.sbatch) the same launcher sprea
 the lighthouse stays where the launcher runs (the batch host, the job's first node), group g is one
 `srun --relative=g` step, a torchrun --standalone with its store on its own node, so a lost node takes one
 group with it and the rest train on; the restart is a fresh step on the same node.
+
+The lighthouse (its command, timeouts and restarts) is ft_lighthouse.py; how the launcher starts and ends
+its processes, ft_procs.py.
 """
 from __future__ import annotations
 
@@ -34,12 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
 from ..exit_codes import EXIT_USER_ERROR
+from .ft_lighthouse import Lighthouse, join_timeout, lighthouse_command, revive
+from .ft_procs import _die_with_parent, _end_session, _exit_name, _marked, free_port, say
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 RESULTS = "DDP_KIT_FT_RESULTS"  # the results folder, read by each group (parallel/ft.py, FtHooks.may_report)
@@ -57,123 +62,6 @@ rc=$?
 case "$rc" in 75|130|2) echo "$rc" >"${DDP_KIT_PREEMPT_MARK:-/tmp/ddp_kit.preempted}" ;; esac
 exit "$rc"
 """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def lighthouse_binary() -> str:
-    found = shutil.which("torchft_lighthouse") or shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
-    if not found:
-        raise UserError("torchft_lighthouse is not installed (it comes with torchft)", "pip install 'ddp_kit[ft]'")
-    return found
-
-
-def quorum_timeout_s(environ: Mapping[str, str] = os.environ) -> float:
-    """The groups' quorum timeout (DDP_KIT_FT_QUORUM_TIMEOUT_S, 60 s: parallel/ft.py's Timeouts.quorum_s)."""
-    raw = environ.get("DDP_KIT_FT_QUORUM_TIMEOUT_S", "").strip()
-    try:
-        return float(raw) if raw else 60.0
-    except ValueError:
-        raise UserError(f"DDP_KIT_FT_QUORUM_TIMEOUT_S={raw!r} is not a number of seconds",
-                        "set it to e.g. 120, or unset it (60)") from None
-
-
-def join_timeout(join_timeout_ms: int | None, environ: Mapping[str, str] = os.environ) -> int:
-    """The lighthouse's join timeout: how long a quorum that a majority of the groups asked for waits for
-    a group that is alive (heartbeats) but has not asked yet. It matters with 3 or more groups (with 2,
-    no quorum forms without both while both live), when one group is late, by a checkpoint write slower
-    than the others', an evaluation, a long step: a group left out then takes the whole state live at the
-    next quorum, or, near the end, misses the job's end. So by default it is as long as it can be: half
-    the groups' quorum timeout (30 of 60 s), so that the groups waiting for a late one do not time out
-    first. (ddp_kit's own checkpoints are followed by a stop check across the groups, which waits for
-    the slowest writer up to DDP_KIT_FT_TIMEOUT_S.) Groups later than that: raise
-    DDP_KIT_FT_QUORUM_TIMEOUT_S (the join timeout follows)."""
-    quorum_ms = quorum_timeout_s(environ) * 1000
-    if join_timeout_ms is None:
-        return int(quorum_ms / 2)
-    if join_timeout_ms >= quorum_ms:
-        raise UserError(f"--join_timeout_ms {join_timeout_ms} is not below the groups' quorum timeout ({quorum_ms:.0f} ms, "
-                        f"DDP_KIT_FT_QUORUM_TIMEOUT_S): groups waiting for a late one would time out first",
-                        f"pass --join_timeout_ms below {quorum_ms:.0f}, or raise DDP_KIT_FT_QUORUM_TIMEOUT_S")
-    return join_timeout_ms
-
-
-def lighthouse_command(port: int, heartbeat_timeout_ms: int, join_timeout_ms: int) -> list[str]:
-    """torchft's lighthouse for one job. min_replicas 1: a quorum forms with whatever groups are alive
-    (a fresh start waits for all of them in ddp_kit itself, parallel/ft_steps.py, FtHooks.restore). The
-    heartbeat timeout is how long the survivors pause when a group dies without a word; the join
-    timeout how long a quorum waits for a group that heartbeats but has not asked yet (join_timeout)."""
-    return [lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}",
-            "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--join_timeout_ms", str(join_timeout_ms),
-            "--quorum_tick_ms", "20"]
-
-
-def wait_listening(port: int, proc: subprocess.Popen, log: Path | None = None, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            said = log.read_text(errors="replace").strip().splitlines()[-1:] if log is not None and log.exists() else []
-            raise UserError(f"torchft's lighthouse exited with {proc.returncode} at startup (port {port})"
-                            + (f": {said[0][:200]}" if said else ""),
-                            "pass another --lighthouse_port, or check that torchft is installed whole")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise UserError(f"torchft's lighthouse did not listen on port {port} within {timeout_s:.0f}s",
-                    "check that nothing else holds the port, or pass another --lighthouse_port")
-
-
-@dataclass
-class Lighthouse:
-    """torchft's lighthouse for this job, watched by the launcher (supervise): when it dies, it is started
-    again on the same port, and the groups' manager servers reconnect to it (their quorum requests retry,
-    parallel/ft.py) and go on; at most `max_restarts` times, then the groups are stopped."""
-
-    command: list[str]
-    env: dict[str, str]
-    port: int
-    address: str
-    log: Path  # its stderr (a pipe nobody reads would fill and stall it): its tail is shown when it fails to start
-    restarts: int = 0
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True, preexec_fn=_die_with_parent,
-                                         stdout=subprocess.DEVNULL, stderr=log)
-        wait_listening(self.port, self.proc, self.log)
-
-    def exited(self) -> int | None:
-        """Its exit code once it has exited; None while it runs."""
-        return None if self.proc is None else self.proc.poll()
-
-    def end(self) -> None:
-        _end_session(self.proc)
-
-
-def revive(house: Lighthouse, rc: int, max_restarts: int) -> bool:
-    """The lighthouse exited: start it again (True), or say why not (False: the groups are to stop)."""
-    lost = f"torchft's lighthouse at {house.address} exited ({_exit_name(rc)})"
-    stop = ("stopping the replica groups (each checkpoints at its next agreed step and exits 75); rerun the same "
-            "command to resume")
-    if house.restarts >= max_restarts:
-        say(f"{lost} after {house.restarts} restart(s) (--max_restarts {max_restarts}): {stop}")
-        return False
-    house.restarts += 1
-    try:
-        house.start()
-    except UserError as err:
-        say(f"{lost} and could not be started again: {err.message}; {stop}")
-        return False
-    say(f"{lost}: restarted it on the same port ({house.restarts} of {max_restarts}); the replica groups reconnect "
-        f"and go on")
-    return True
 
 
 @dataclass
@@ -219,6 +107,14 @@ def resolve_groups(groups: int | None, srun: bool, environ: Mapping[str, str] = 
     return int(nodes) if groups is None else groups
 
 
+def train_command(train_args: tuple[str, ...], script: str | None) -> list[str]:
+    """What each rank runs: `script`, else the reference job under strategy ft (its own default is ddp)."""
+    args = [str(a) for a in train_args]
+    if script is None and "--strategy" not in args:
+        args = ["--strategy", "ft", *args]  # the reference job: its default strategy is ddp
+    return [sys.executable, script, *args] if script else [sys.executable, "-m", "ddp_kit.train", *args]
+
+
 def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max_restarts: int = 3,
        script: str | None = None, lighthouse_port: int = 0, heartbeat_timeout_ms: int = 500,
        restart_delay_s: float = 1.0, srun: bool = False, join_timeout_ms: int | None = None) -> None:
@@ -229,10 +125,7 @@ def ft(*train_args: str, groups: int | None = None, nproc_per_node: int = 1, max
         raise UserError(f"--groups {groups} --nproc_per_node {nproc_per_node}: both must be at least 1",
                         "e.g. --groups 2 --nproc_per_node 1")
     join_ms = join_timeout(join_timeout_ms)
-    args = [str(a) for a in train_args]
-    if script is None and "--strategy" not in args:
-        args = ["--strategy", "ft", *args]  # the reference job: its default strategy is ddp
-    target = [sys.executable, script, *args] if script else [sys.executable, "-m", "ddp_kit.train", *args]
+    target = train_command(train_args, script)
     port = lighthouse_port or free_port()
     # Groups on other nodes reach the lighthouse by this host's name; on one machine, loopback.
     lighthouse = f"http://{socket.gethostname() if srun else '127.0.0.1'}:{port}"
@@ -296,74 +189,113 @@ def supervise(members: list[Group], start, stopping: list[int], max_restarts: in
     parallel/ft_steps.py): it is stopped (SIGTERM: it saves and exits 75), no failure either.
     At the end one line names the groups that hold the job's result (those that recorded it in
     `results`)."""
-    finished_at: float | None = None
-    late: set[int] = set()
+    watch = _Watch(start, stopping, max_restarts, delay_s)
     while any(g.code is None for g in members):
         time.sleep(0.1)
         now = time.monotonic()
         if house is not None and house.proc is not None and (rc := house.exited()) is not None:
-            if not revive(house, rc, max_restarts):
-                house.end()
-                house.proc = None  # watched no more
-                if stop is not None and not stopping:
-                    stop()
-        if finished_at is not None and now > finished_at + finish_grace_s:
-            for group in members:
-                if group.code is None and group.index not in late and group.proc is not None and group.proc.poll() is None:
-                    late.add(group.index)
-                    say(f"replica group {group.index} is still running {finish_grace_s:.0f}s after another group "
-                        f"finished the job: stopping it")
-                    os.kill(group.proc.pid, signal.SIGTERM)
+            _lighthouse_exited(house, rc, max_restarts, stop, stopping)
+        if watch.finished_at is not None and now > watch.finished_at + finish_grace_s:
+            _stop_late(members, watch.late, finish_grace_s)
         for group in members:
             if group.code is not None:
                 continue
             if group.restart_at is not None:  # failed, its restart due after the delay
-                if stopping:  # stopped while it waited: nothing left to save
-                    group.code, group.restart_at = group.rc, None
-                elif finished_at is not None:
-                    say(f"replica group {group.index} is not restarted: the job was finished meanwhile, and it "
-                        f"would have no peer to take the final weights from; it holds no result")
-                    group.code, group.restart_at = 0, None
-                elif now >= group.restart_at:
-                    group.restart_at = None
-                    start(group)
-                continue
-            if group.proc is None or group.proc.poll() is None:
-                continue
-            rc = group.rc = group.proc.returncode
-            _end_group(group)  # its workers, should torchrun itself have died first
-            marked = _mark_code(group.mark)
-            stopped = marked if marked in (75, 130) else 0
-            if group.index in late:
-                group.code = 0  # the job was done without it
-                continue
-            if rc == 0 or stopped or stopping:
-                group.code = stopped or rc
-                if rc == 0 and finished_at is None:
-                    finished_at = now
-                continue
-            if marked == EXIT_USER_ERROR and finished_at is None:
-                group.code = EXIT_USER_ERROR
-                say(f"replica group {group.index} failed with exit {EXIT_USER_ERROR} (not retryable: a user error, or the "
-                    f"same failure at the same step twice): not restarted")
-                continue
-            if finished_at is not None:
-                say(f"replica group {group.index} failed (exit {_exit_name(rc)}) after the job was finished: not "
-                    f"restarted; it holds no result")
-                group.code = 0
-                continue
-            if group.restarts >= max_restarts:
-                group.code = rc
-                say(f"replica group {group.index} failed (exit {_exit_name(rc)}) after {group.restarts} restart(s) "
-                    f"(--max_restarts {max_restarts}): left out; the other groups go on")
-                continue
-            group.restarts += 1
-            say(f"replica group {group.index} failed (exit {_exit_name(rc)}); restarting it "
-                f"({group.restarts} of {max_restarts}); it recovers live from a running group")
-            group.restart_at = now + delay_s
-    if finished_at is not None and results is not None:
+                _restart_when_due(group, watch, now)
+            elif group.proc is not None and group.proc.poll() is not None:
+                _exited(group, watch, now)
+    if watch.finished_at is not None and results is not None:
         say(result_line(results, [g.index for g in members]))
-    codes = [g.code for g in members]
+    return _launch_code([g.code for g in members])
+
+
+@dataclass
+class _Watch:
+    """What supervise carries from one round to the next."""
+
+    start: Callable[[Group], None]
+    stopping: list[int]
+    max_restarts: int
+    delay_s: float
+    finished_at: float | None = None  # when a group first finished the job
+    late: set[int] = field(default_factory=set)  # groups stopped for running on after it
+
+
+def _lighthouse_exited(house: Lighthouse, rc: int, max_restarts: int, stop, stopping: list[int]) -> None:
+    """Start it again; when it cannot be, watch it no more and stop the groups (they checkpoint and exit 75)."""
+    if not revive(house, rc, max_restarts):
+        house.end()
+        house.proc = None  # watched no more
+        if stop is not None and not stopping:
+            stop()
+
+
+def _stop_late(members: list[Group], late: set[int], finish_grace_s: float) -> None:
+    """SIGTERM the groups still running `finish_grace_s` after another finished the job (they came back late)."""
+    for group in members:
+        if group.code is None and group.index not in late and group.proc is not None and group.proc.poll() is None:
+            late.add(group.index)
+            say(f"replica group {group.index} is still running {finish_grace_s:.0f}s after another group "
+                f"finished the job: stopping it")
+            os.kill(group.proc.pid, signal.SIGTERM)
+
+
+def _restart_when_due(group: Group, watch: _Watch, now: float) -> None:
+    """A failed group waits out the delay, then starts again: unless a stop came, or the job was finished."""
+    due = group.restart_at
+    if watch.stopping:  # stopped while it waited: nothing left to save
+        group.code, group.restart_at = group.rc, None
+    elif watch.finished_at is not None:
+        say(f"replica group {group.index} is not restarted: the job was finished meanwhile, and it "
+            f"would have no peer to take the final weights from; it holds no result")
+        group.code, group.restart_at = 0, None
+    elif due is not None and now >= due:
+        group.restart_at = None
+        watch.start(group)
+
+
+def _exited(group: Group, watch: _Watch, now: float) -> None:
+    """The group's torchrun has exited: done, stopped, or failed (_failed)."""
+    rc = group.rc = group.proc.returncode
+    _end_group(group)  # its workers, should torchrun itself have died first
+    marked = _mark_code(group.mark)
+    stopped = marked if marked in (75, 130) else 0
+    if group.index in watch.late:
+        group.code = 0  # the job was done without it
+        return
+    if rc == 0 or stopped or watch.stopping:
+        group.code = stopped or rc
+        if rc == 0 and watch.finished_at is None:
+            watch.finished_at = now
+        return
+    _failed(group, watch, rc, marked, now)
+
+
+def _failed(group: Group, watch: _Watch, rc: int, marked: int, now: float) -> None:
+    """A group failed with no stop asked for: left out, or restarted after the delay."""
+    if marked == EXIT_USER_ERROR and watch.finished_at is None:
+        group.code = EXIT_USER_ERROR
+        say(f"replica group {group.index} failed with exit {EXIT_USER_ERROR} (not retryable: a user error, or the "
+            f"same failure at the same step twice): not restarted")
+        return
+    if watch.finished_at is not None:
+        say(f"replica group {group.index} failed (exit {_exit_name(rc)}) after the job was finished: not "
+            f"restarted; it holds no result")
+        group.code = 0
+        return
+    if group.restarts >= watch.max_restarts:
+        group.code = rc
+        say(f"replica group {group.index} failed (exit {_exit_name(rc)}) after {group.restarts} restart(s) "
+            f"(--max_restarts {watch.max_restarts}): left out; the other groups go on")
+        return
+    group.restarts += 1
+    say(f"replica group {group.index} failed (exit {_exit_name(rc)}); restarting it "
+        f"({group.restarts} of {watch.max_restarts}); it recovers live from a running group")
+    group.restart_at = now + watch.delay_s
+
+
+def _launch_code(codes: list[int | None]) -> int:
+    """0 when every group finished, 75/130 when they stopped on a signal, else the first failure's."""
     if all(c == 0 for c in codes):
         return 0
     stops = [c for c in codes if c in (75, 130)]
@@ -410,10 +342,6 @@ def _mark_code(mark: Path) -> int:
     return int(text) if text.isdigit() else 75  # an empty mark (templates/k8s/rank.sh's): preempted
 
 
-def _exit_name(rc: int) -> str:
-    return f"{rc} ({signal.Signals(-rc).name})" if rc < 0 and -rc in signal.valid_signals() else str(rc)
-
-
 def _end_group(group: Group, timeout_s: float = 10.0) -> None:
     """SIGKILL every process left of the group's current start (its torchrun's session and the workers
     carrying its token), and wait until they are gone: a restart must not find the old workers' run
@@ -432,44 +360,3 @@ def _end_group(group: Group, timeout_s: float = 10.0) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.05)
-
-
-def _marked(needle: bytes) -> list[int]:
-    """PIDs whose environment holds `needle` (only this user's processes can be read: ours)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                out.append(int(entry.name))
-        except OSError:
-            continue
-    return out
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the launcher dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG), so that no lighthouse or torchrun outlives it; elsewhere a no-op."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _end_session(proc: subprocess.Popen | None) -> None:
-    """SIGKILL what is left of a session this launcher started (a killed torchrun's orphaned workers)."""
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if proc.poll() is None:
-        proc.wait(timeout=10)
-
-
-def say(msg: str) -> None:
-    print(f"ddp_kit: launch ft: {msg}", file=sys.stderr, flush=True)
