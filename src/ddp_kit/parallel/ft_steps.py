@@ -36,7 +36,7 @@ from ..hooks import STOP_PRIORITY, Boundary, StepHooks
 from .digest import checksums, param_sha256
 
 if TYPE_CHECKING:
-    from .ft import Replica
+    from .ft_replica import Replica
 
 WAIT_NOTE_S = 5.0  # a fresh start waiting this long for the other groups says so, once
 
