@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -129,12 +130,7 @@ def train(job: Job) -> dict[str, Any]:
             sums = run.sum(*(float(window[k]) / max(window["_n"], 1) for k in names if k != "_n"))
             record.update({f"train_{k}": v / run.world_size for k, v in zip([k for k in names if k != "_n"], sums)})
         window.clear()
-        if "samples_per_s" in record:
-            record["eta_s"] = (job.total_steps - record["step"]) * cfg.batch_size / max(record["samples_per_s"], 1e-9)
-            if job.flops_per_sample:
-                record["model_tflops_per_s"] = job.flops_per_sample * record["samples_per_s"] / 1e12
-                if job.peak_tflops:
-                    record["mfu"] = record["model_tflops_per_s"] / (job.peak_tflops * run.world_size)
+        _add_rates(job, record)
         logged.update(record)
         say(f"step {record['step']}/{job.total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
             f"lr {record['lr']:.2e} {record.get('samples_per_s', 0):.0f} samples/s"
@@ -165,11 +161,7 @@ def train(job: Job) -> dict[str, Any]:
             if step >= job.total_steps:
                 break
         if loader.position == 0 and (cfg.eval_every_epoch or run.steps_done >= job.total_steps):
-            ev, ev_step = evaluate(job), run.steps_done
-            run.log_event({"event": "eval", "step": ev_step, "epoch": epoch, **ev})
-            say(f"eval epoch {epoch}: loss {ev['eval_loss']:.4f}"
-                + (f" accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
-                + f" ({ev['eval_samples']} samples)")
+            ev, ev_step = _evaluate_epoch(job, epoch, say)
     if bar:
         bar.close()
     if ev_step != run.steps_done:  # stopped mid-epoch (max_steps): evaluate the final weights
@@ -178,6 +170,27 @@ def train(job: Job) -> dict[str, Any]:
     wall = time.perf_counter() - start
     return {"train_loss": logged.get("loss"), "wall_s": wall,
             "samples_per_s": (run.steps_done - start_step) * cfg.batch_size / max(wall, 1e-9), **ev}
+
+
+def _add_rates(job: Job, record: dict) -> None:
+    """A log record's ETA, and its model TFLOP/s and MFU where the model's FLOPs are known, from its
+    throughput (a record without one gets none)."""
+    if "samples_per_s" in record:
+        record["eta_s"] = (job.total_steps - record["step"]) * job.cfg.batch_size / max(record["samples_per_s"], 1e-9)
+        if job.flops_per_sample:
+            record["model_tflops_per_s"] = job.flops_per_sample * record["samples_per_s"] / 1e12
+            if job.peak_tflops:
+                record["mfu"] = record["model_tflops_per_s"] / (job.peak_tflops * job.run.world_size)
+
+
+def _evaluate_epoch(job: Job, epoch: int, say: Callable[[str], None]) -> tuple[dict[str, float], int]:
+    """The evaluation at an epoch's end: its metrics, recorded and said, and the step it followed."""
+    ev, ev_step = evaluate(job), job.run.steps_done
+    job.run.log_event({"event": "eval", "step": ev_step, "epoch": epoch, **ev})
+    say(f"eval epoch {epoch}: loss {ev['eval_loss']:.4f}"
+        + (f" accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
+        + f" ({ev['eval_samples']} samples)")
+    return ev, ev_step
 
 
 def _progress(cfg, run: Run, total: int):
