@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from conftest import run_cmd
-from ddp_kit.errors import EXIT_USER_ERROR, UserError
+from ddp_kit.errors import UserError
+from ddp_kit.exit_codes import EXIT_USER_ERROR
 from ddp_kit.report import _draw, load, main, outline, panels, plot, title_for
 
 USER = "logged by the script (run.log_event)"

@@ -12,7 +12,8 @@ import socket
 import pytest
 import torch
 
-from ddp_kit.errors import EXIT_USER_ERROR, Unavailable, UserError
+from ddp_kit.errors import Unavailable, UserError
+from ddp_kit.exit_codes import EXIT_USER_ERROR
 from ddp_kit.reliability.verdicts import REPEATABLE, deterministic, of_failure, repeats
 
 

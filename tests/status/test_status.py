@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_kit.errors import EXIT_USER_ERROR
+from ddp_kit.exit_codes import EXIT_USER_ERROR
 from ddp_kit.run_account import CAUSES, account, load, read
 from ddp_kit.status import main, render
 
