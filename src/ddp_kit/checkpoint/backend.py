@@ -1,6 +1,7 @@
-"""The checkpoint backend seam: what the step boundary asks of a run's checkpoint storage, and the
-registry of storages by the location's URL scheme (a plain path: "", a folder; a URL, file://
-included: fsspec).
+"""The checkpoint backend seam: what the step boundary asks of a run's checkpoint storage, and
+open_backend, which picks the backend for a location's storage. The registry of storages by URL
+scheme (STORAGES, scheme_of, open_storage) is storage_registry.py's, and Found is found.py's; both
+are named here too.
 
 Three layers, each knowing only the one below:
 - **a storage** (storage.Storage): what one location can do. Open a stream for write and read,
@@ -14,12 +15,7 @@ Three layers, each knowing only the one below:
   writes each rank's files in place on a storage with a `local_root`; object_store's stages them on
   a node-local disk and uploads them (with retries, a lease, a startup probe) to one without.
 
-Adding a storage is one new module with a class implementing storage.Storage and a factory
-`open_<x>(location) -> Storage`, and one line in STORAGES. The registry names the factory by its
-import path rather than importing it, so that a storage's optional dependency (fsspec, s3fs) is
-imported only by a run that uses it. Nothing outside the storage module asks which one it is: the
-backend and the protocol go by its flags (a rename-capable HDFS commits by rename like a folder;
-a node-local NVMe tier mounted everywhere writes in place like one).
+Adding a storage is one new module and one line in STORAGES (storage_registry.py says how).
 
 What every backend must guarantee (the readers rely on nothing else):
 - **Atomic visibility.** A step counts only once its manifest (layout.MANIFEST) is present and every
@@ -44,22 +40,17 @@ What every backend must guarantee (the readers rely on nothing else):
 """
 from __future__ import annotations
 
-import importlib
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import UserError
+from .found import Found
 from .storage import Storage
+from .storage_registry import BACKENDS, STORAGES, _factory, open_storage, scheme_of
 
-
-@dataclass(frozen=True)
-class Found:
-    """A committed step chosen for resume: where it lives (a folder, or on a store its URL) and its step number."""
-    path: Path | str
-    step: int
+__all__ = ["BACKENDS", "STORAGES", "ArchivesOnItsStore", "CheckpointBackend", "Found", "open_backend", "open_storage",
+           "scheme_of"]
 
 
 @runtime_checkable
@@ -124,41 +115,6 @@ class ArchivesOnItsStore(Protocol):
 
     def archive_location(self) -> str:
         """Where `archive` moves steps to on this backend's store (<url>/archive)."""
-
-
-# scheme -> "module:factory"; factory(location: str) -> storage.Storage, refusing a bad location in one line
-_FSSPEC = "ddp_kit.checkpoint.store_fs:open_store"
-STORAGES: dict[str, str] = {
-    "": "ddp_kit.checkpoint.storage_folder:open_folder_storage",  # a plain path: a folder every rank mounts
-    # file:// takes the object store's code path on a local (or mounted) folder: no rename, no fsync
-    **dict.fromkeys(("file", "s3", "gs", "gcs", "az", "abfs", "abfss", "memory"), _FSSPEC),
-}
-BACKENDS = STORAGES  # its earlier name
-
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def scheme_of(location: str | Path) -> str:
-    """The URL scheme of a checkpoint location, lower-cased; "" for a plain path."""
-    found = None if isinstance(location, Path) else _SCHEME.match(str(location))
-    return found.group(1).lower() if found else ""
-
-
-def _factory(location: str | Path) -> Callable[[str], Storage]:
-    scheme = scheme_of(location)
-    if scheme not in STORAGES:
-        raise UserError(f"unknown checkpoint location scheme {scheme!r} in {str(location)!r}: this ddp_kit "
-                        f"stores checkpoints in folders and in {', '.join(f'{s}://' for s in sorted(STORAGES) if s)} "
-                        f"locations", "pass a folder path or one of those URLs as ckpt_dir")
-    module, factory = STORAGES[scheme].split(":")
-    opener: Callable[[str], Storage] = getattr(importlib.import_module(module), factory)
-    return opener
-
-
-def open_storage(location: str | Path) -> Storage:
-    """The storage at `location` (a folder path or a URL). An unknown scheme, or a location its storage
-    cannot open (a client not installed, a URL with no bucket), is refused in one line."""
-    return _factory(location)(str(location))
 
 
 def open_backend(location: str | Path, ctx: Any, one_writer: bool = True, **options: Any) -> CheckpointBackend:

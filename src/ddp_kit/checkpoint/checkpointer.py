@@ -36,10 +36,10 @@ from ..dist import DistContext
 from ..dist.collectives import all_true, rank0_verdict
 from ..errors import UserError
 from . import dcp_files, layout, steps
-from .backend import Found
 from .dcp_stager import _stager_reuses, reusable_stager
 from .durable import disk_full, dump
 from .finite import nonfinite_tensors, refuse_nonfinite
+from .found import Found
 from .rng import rng_state, set_rng_state
 from .staging import HostBuffer, snapshot, tensors_in, to_host
 from .storage import Storage

@@ -6,7 +6,7 @@
 
 RUN_DIR is a run folder (its checkpoints/), a checkpoints folder, or a run's ckpt_dir URL
 (s3://bucket/prefix, gs://, az://, file:///path). Either is opened through the storage registry
-(backend.open_storage) and read through the same code as the run (steps.py), with no process group.
+(storage_registry.open_storage) and read through the same code as the run (steps.py), with no process group.
 Where the storage is not local (a URL), `list` checks each step's manifest and object sizes, and
 `export` downloads the step and verifies every checksum first.
 `--format safetensors` (the default for an --out ending in .safetensors) writes the whole model
@@ -24,8 +24,8 @@ from typing import Any
 
 from ..errors import EXIT_USER_ERROR, UserError
 from . import layout, steps, weights
-from .backend import open_storage, scheme_of
 from .storage import Storage
+from .storage_registry import open_storage, scheme_of
 
 LIST_HINT = "see `python -m ddp_kit.checkpoint list RUN_DIR`"
 FORMATS = ("pt", "safetensors")

@@ -18,10 +18,10 @@ from typing import Any
 from ..dist import DistContext
 from ..errors import UserError
 from . import layout, steps
-from .backend import Found
 from .checkpointer import Checkpointer, _td
+from .found import Found
 from .lease import LEASE_TTL_S, LeaseKeeper
-from .object_store import lease_stop, take_lease
+from .run_lease import lease_stop, take_lease
 from .storage import Storage
 from .storage_folder import FolderFS
 from .store_fs import Store

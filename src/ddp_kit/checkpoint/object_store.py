@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from ..dist import DistContext
-from ..dist.collectives import all_true, broadcast_object, gather_object, rank0_verdict
-from ..dist.launch_token import launch_of
-from ..errors import Unavailable, UserError
+from ..dist.collectives import rank0_verdict
+from ..errors import UserError
 from . import layout, steps
-from .backend import Found
 from .checkpointer import Checkpointer, _td
-from .lease import LEASE_TTL_S, LeaseKeeper, identity
+from .found import Found
+from .lease import LEASE_TTL_S, LeaseKeeper
+from .run_lease import lease_stop
 from .storage import Storage
 from .storage_folder import FolderStorage
+from .store_checks import check_every_rank
 from .store_fs import Store, describe, open_store, refusal, unreachable
 
 UPLOADS = 4  # objects one rank sends at once
@@ -61,110 +62,6 @@ def open_object_store(ctx: DistContext, location: Storage | str, keep_last: int 
     return ObjectStoreCheckpointer(ctx, location, keep_last=keep_last, async_save=async_save, timeout_s=timeout_s,
                                    write_delay_s=write_delay_s, upload_timeout_s=upload_timeout_s,
                                    lease_ttl_s=lease_ttl_s)
-
-
-def check_every_rank(ctx: DistContext, where: Store | None, problem: UserError | None,
-                     lease_ttl_s: float = LEASE_TTL_S) -> LeaseKeeper | None:
-    """Collective: every rank opened the store (a node without s3fs is named), rank 0 takes the
-    location's lease (lease.py: another job writing here is refused before anything is written), then
-    probe. Returns rank 0's lease keeper (None on the other ranks)."""
-    if ctx.world_size > 1 and not all_true(ctx, problem is None):
-        mine = None if problem is None else (ctx.rank, socket.gethostname(), problem.message, problem.hint,
-                                             isinstance(problem, Unavailable))
-        gathered = gather_object(ctx, mine)  # the list on rank 0, None on the others
-        r, host, message, hint, flaky = broadcast_object(ctx, next(g for g in gathered if g) if gathered is not None else None)
-        err = (Unavailable if flaky else UserError)(message, hint, rank=r, verdict=True)  # a retryable one stays so
-        err.host = host
-        raise err
-    if problem is not None:
-        raise problem
-    if where is None:  # the store is missing only when opening it failed, and then `problem` says why
-        raise ValueError("check_every_rank: no store, and no problem saying why")
-    keeper = take_lease(ctx, where, lease_ttl_s)
-    try:
-        probe(ctx, where)
-    except BaseException:
-        if keeper is not None:
-            keeper.release()
-        raise
-    return keeper
-
-
-def holder(ctx: DistContext) -> dict[str, Any]:
-    """This job as its lease records it (rank 0), with its launch token where it has a unique one."""
-    launch = launch_of(ctx.env)
-    return identity(ctx.env.job_id, ctx.env.batch_job_id, ctx.env.restart_count, launch.id if launch.unique else None)
-
-
-def take_lease(ctx: DistContext, where: Store, lease_ttl_s: float = LEASE_TTL_S) -> LeaseKeeper | None:
-    """Collective: rank 0 takes the location's lease (lease.py), or every rank raises its one line.
-    Returns rank 0's keeper (None on the other ranks)."""
-    keeper = None
-
-    def take() -> None:
-        nonlocal keeper  # stays on rank 0
-        try:
-            keeper = LeaseKeeper(where, holder(ctx), lease_ttl_s)
-        except UserError:
-            raise
-        except Exception as exc:  # a missing bucket, no credentials, a read-only bucket: said as the probe says it
-            raise refusal(where.url, exc, "written") from None
-
-    rank0_verdict(ctx, take)
-    return keeper
-
-
-def lease_stop(location: str, keeper: LeaseKeeper | None) -> tuple[str, str] | None:
-    """Rank 0, before a commit: (message, hint) when another job has taken this location over."""
-    try:
-        taker = keeper.lost() if keeper is not None else None
-    except Exception:  # the store cannot be listed now: the commit's own writes will say why
-        return None
-    if taker is None:
-        return None
-    return (f"another job took over checkpoint location {location} ({taker}) after this job stopped "
-            f"renewing its lease; this job stops without committing, so as not to overwrite its checkpoints",
-            "make sure one job at a time writes a location (give each its own ckpt_dir); then rerun")
-
-
-def probe(ctx: DistContext, where: Store) -> None:
-    """Rank 0 writes a small object, every rank reads it back, rank 0 deletes it: a missing bucket, no
-    credentials, a read-only bucket, or a node that cannot reach the store is one line now."""
-    def write() -> str:
-        token = os.urandom(8).hex()
-        try:
-            where.fs.pipe_file(where.path(layout.PROBE_PREFIX + token), token.encode())
-        except Exception as exc:  # whatever the client raises: said in one line with the URL
-            raise refusal(where.url, exc, "written") from None
-        return token
-
-    token = rank0_verdict(ctx, write)
-    name = where.path(layout.PROBE_PREFIX + token)
-    flaky = False  # the store did not answer this rank (a timeout, 503 SlowDown): a restart may cure it
-    try:
-        seen = where.fs.cat_file(name).decode() == token
-        why = "it read back different bytes"
-    except Exception as exc:
-        seen, why, flaky = False, describe(exc), unreachable(exc)
-
-    def delete() -> None:
-        try:
-            where.fs.rm_file(name)
-        except Exception as exc:
-            raise refusal(where.url, exc, "cleaned up (deleting an object failed)") from None
-
-    if ctx.world_size > 1 and not all_true(ctx, seen):
-        rank0_verdict(ctx, delete)
-        gathered = gather_object(ctx, None if seen else (ctx.rank, socket.gethostname(), why, flaky))  # None off rank 0
-        blind = broadcast_object(ctx, [g for g in gathered if g] if gathered is not None else None)
-        r, host, why, flaky = blind[0]
-        more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
-        raise (Unavailable if flaky else UserError)(f"rank {r} on {host}{more} cannot read checkpoint location {where.url!r}, which rank 0 "
-                        f"wrote ({why})", "give every node the same credentials and endpoint (environment, "
-                        "~/.aws, DDP_KIT_STORAGE_OPTIONS) and a route to the store", verdict=True)
-    if ctx.world_size == 1 and not seen:
-        raise refusal(where.url, RuntimeError(why), "read back")
-    rank0_verdict(ctx, delete)
 
 
 def local_area(url: str, rank: int | None) -> Path:

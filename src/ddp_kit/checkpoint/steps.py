@@ -173,26 +173,7 @@ def fetch(storage: Storage, name: str, dest: Path, manifest: dict[str, Any], wan
         tag = f".{os.getpid()}.part"  # a download of its own per process, even where flock does not work
 
         def get(n: str) -> str | None:
-            part = dest / f"{n}{tag}"
-            try:
-                part.parent.mkdir(parents=True, exist_ok=True)
-                storage.get(f"{name}/{n}", part)
-                size, sha = part.stat().st_size, sha256_of(part)
-                if size != files[n]["size"]:
-                    return f"{n} is truncated ({size} of {files[n]['size']} bytes)"
-                if sha != files[n]["sha256"]:
-                    return f"{n} is corrupt (checksum mismatch)"
-                os.replace(part, dest / n)
-            except FileNotFoundError:
-                return f"{n} is missing"
-            except OSError as exc:  # a name the local disk cannot hold, a full disk: this step is not usable here
-                from .store_fs import unreachable
-                if unreachable(exc):  # the store did not answer: nothing is wrong with this step (the caller's verdict)
-                    raise
-                return f"{n} cannot be downloaded ({type(exc).__name__}: {exc.strerror or exc})"
-            finally:
-                part.unlink(missing_ok=True)
-            return None
+            return _download(storage, name, dest, n, files[n], tag)
 
         with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="ddp_kit-ckpt-get") as pool:
             results = dict(zip(todo, pool.map(get, todo)))
@@ -211,6 +192,31 @@ def fetch(storage: Storage, name: str, dest: Path, manifest: dict[str, Any], wan
 
 VERIFIED = ".verified"  # in a node's download folder: {file: sha256} of the files verified there
 _LOCK = ".lock"
+
+
+def _download(storage: Storage, name: str, dest: Path, n: str, entry: dict[str, Any], tag: str) -> str | None:
+    """fetch's download of file `n` of step `name` into `dest`, under a temporary name (`tag`) until
+    it matches `entry` (the manifest's size and sha256); None once it is in place, else why not."""
+    part = dest / f"{n}{tag}"
+    try:
+        part.parent.mkdir(parents=True, exist_ok=True)
+        storage.get(f"{name}/{n}", part)
+        size, sha = part.stat().st_size, sha256_of(part)
+        if size != entry["size"]:
+            return f"{n} is truncated ({size} of {entry['size']} bytes)"
+        if sha != entry["sha256"]:
+            return f"{n} is corrupt (checksum mismatch)"
+        os.replace(part, dest / n)
+    except FileNotFoundError:
+        return f"{n} is missing"
+    except OSError as exc:  # a name the local disk cannot hold, a full disk: this step is not usable here
+        from .store_fs import unreachable
+        if unreachable(exc):  # the store did not answer: nothing is wrong with this step (the caller's verdict)
+            raise
+        return f"{n} cannot be downloaded ({type(exc).__name__}: {exc.strerror or exc})"
+    finally:
+        part.unlink(missing_ok=True)
+    return None
 
 
 @contextmanager
@@ -312,7 +318,7 @@ def _named(storage: Storage, resume: str, cache: Path | None) -> tuple[str, int]
 
 
 def _named_folder(path: Path, cache: Path | None) -> tuple[str, int]:
-    from .backend import open_storage
+    from .storage_registry import open_storage
 
     if not path.exists():
         raise UserError(f"checkpoint {str(path)!r} does not exist",

@@ -14,7 +14,7 @@ A storage is one location (a folder, a URL) holding objects named by relative pa
 
 Two storages: storage_folder.FolderStorage (a folder: rename, local) and store_fs.Store (any fsspec
 URL: no rename, not local). A new one is one file implementing Storage, and one line in
-backend.STORAGES keyed by URL scheme.
+storage_registry.STORAGES keyed by URL scheme.
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from typing import IO, Any, ClassVar
 from urllib.parse import urlsplit
 
 from ..errors import Unavailable, UserError
-from .backend import scheme_of
 from .storage import Storage
+from .storage_registry import scheme_of
 
 STORAGE_OPTIONS_ENV = "DDP_KIT_STORAGE_OPTIONS"
 
