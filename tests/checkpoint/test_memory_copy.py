@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddp_kit.checkpoint import memory_copy as mc
-from ddp_kit.checkpoint.memory_tier import _choose
+from ddp_kit.checkpoint.memory_resume import _choose
 
 
 def write(folder, state, seal=True):
@@ -294,7 +294,7 @@ def test_the_default_root_is_private_to_its_user(tmp_path, monkeypatch):
 
 def test_a_planted_link_is_replaced_never_written_through(tmp_path):
     """A link where a copy's files go: the write replaces the link, the file it points to is untouched."""
-    from ddp_kit.checkpoint.memory_tier import _mapped
+    from ddp_kit.checkpoint.memory_slot import _mapped
 
     victim = tmp_path / "victim"
     victim.write_text("keep")
@@ -311,7 +311,7 @@ def test_a_planted_link_is_replaced_never_written_through(tmp_path):
 def test_room_counts_a_containers_memory_limit(tmp_path):
     """A pod's tmpfs pages count against its memory limit, which statvfs does not show: the room is the
     smaller of the two (cgroup v2's memory.max less memory.current)."""
-    from ddp_kit.checkpoint.memory_tier import _room
+    from ddp_kit.checkpoint.memory_slot import _room
 
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()

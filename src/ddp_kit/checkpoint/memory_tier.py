@@ -27,6 +27,9 @@ Resume (`find`, collective): every rank lists the copies on its node that are ne
 durable tier's step; the newest step that every rank's state has a valid copy of in one lineage
 wins, each rank taking its own node's copy first, else the holder's over the network. A copy that
 is not usable is named once and the next one (or the durable tier) is used.
+
+This module owns the tier's schedule and state (MemoryTier); a copy's slot in the tmpfs is
+memory_slot's, the traffic between nodes memory_peer's, and the choice at resume memory_resume's.
 """
 from __future__ import annotations
 
@@ -50,7 +53,10 @@ from ..dist.collectives import all_gather_object, all_true, broadcast_object
 from ..errors import UserError
 from . import memory_copy as mc
 from . import memory_root as mr
+from .memory_peer import exchange, transfer
+from .memory_resume import _choose, scan, verify
 from .memory_root import ENV_DIR, root_dir
+from .memory_slot import CopyLost, _mb, _newest, _room, _Slot
 
 COPIES = 2  # per rank and kind: the one being written and the last complete one
 __all__ = ["ENV_DIR", "MemFound", "MemoryTier", "job_key", "root_dir"]
@@ -69,104 +75,9 @@ class MemFound:
     tier: str  # "memory": every rank's own node held its copy; "peer": some came from another node
 
 
-class CopyLost(Exception):
-    """One copy could not be made or taken (its message says why): a warning, and the next copy is tried."""
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
-
-
-def _room(folder: Path, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """Bytes this process can still put in `folder`'s tmpfs: its free space, and, in a container with a
-    memory limit (cgroup v2), what the limit leaves: tmpfs pages count against it, and statvfs does not
-    show that (a pod's memory volume without a sizeLimit reports the node's memory)."""
-    try:
-        st = os.statvfs(folder)
-    except OSError:  # the folder is gone (removed under the job): no room until it is made again
-        return 0
-    free = st.f_bavail * st.f_frsize
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        used = int((cgroup / "memory.current").read_text())
-        if limit != "max":
-            # The page cache of files read is counted in memory.current but given back under pressure;
-            # tmpfs pages (shmem, counted in `file` too) are not.
-            try:
-                stat = dict(line.split()[:2] for line in (cgroup / "memory.stat").read_text().splitlines() if " " in line)
-            except OSError:
-                stat = {}
-            reclaimable = max(int(stat.get("file", 0)) - int(stat.get("shmem", 0)), 0)
-            free = min(free, max(int(limit) - used + reclaimable, 0))
-    except (OSError, ValueError):
-        pass
-    return free
-
-
-def _mapped(path: Path, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over a new file at `path`, `nbytes` long, shared with the file (its pages are the
-    tmpfs's: allocated here, so that a full tmpfs fails now, as CopyLost, not with SIGBUS later).
-    The file is created exclusively and never through a link."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        if nbytes:
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise CopyLost(f"the tmpfs cannot hold {_mb(nbytes)} more ({exc.strerror})") from None
-    finally:
-        os.close(fd)
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-
-
-class _Slot:
-    """One copy's folder and its mapped data file, kept across saves (already-touched pages copy fast)."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.pinned = folder, False
-        self.buf: torch.Tensor | None = None
-
-    def open(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """Unmark the copy (no manifest: not usable while written) and map its data file at `nbytes`."""
-        try:
-            os.mkdir(self.folder, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise CopyLost(f"cannot make {self.folder.name} ({exc.strerror})") from None
-        try:
-            (self.folder / mc.MANIFEST).unlink(missing_ok=True)
-            if self.buf is not None and (self.buf.numel() != nbytes or not (self.folder / mc.DATA).exists()):
-                self.release()  # another size, or the file was removed under the mapping: map a new one
-            if self.buf is None:
-                self.buf = _mapped(self.folder / mc.DATA, nbytes)
-                if pin and nbytes:  # GPU only: the device-to-host copy then runs at full speed, asynchronously
-                    from .staging import _cudart
-                    self.pinned = int(_cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0)) == 0
-        except OSError as exc:
-            raise CopyLost(f"cannot write {self.folder.name} ({exc.strerror})") from None
-        assert self.buf is not None
-        return self.buf
-
-    def release(self) -> None:
-        if self.pinned and self.buf is not None:
-            from .staging import _cudart
-            _cudart().cudaHostUnregister(self.buf.data_ptr())
-        self.buf, self.pinned = None, False
-
-
 def _keep_alive(closed: threading.Event, fd: Callable[[], int]) -> None:
     while not closed.wait(mr.RENEW_S):
         mr.renew(fd())
-
-
-def _wait_all(works: list[Any]) -> None:
-    for w in works:
-        w.wait()
 
 
 class MemoryTier:
@@ -350,54 +261,12 @@ class MemoryTier:
             written.set()
 
     def _exchange(self, buf: torch.Tensor | None, manifest: dict[str, Any] | None) -> None:
-        """Send this copy to the partner node's rank, receive the previous node's rank's copy. Each side
-        says first whether it has a copy to send and whether it can take the one coming, so a side that
-        cannot (a full tmpfs) costs that copy only, and neither waits for bytes that never come."""
+        """Send this copy to the partner node's rank, receive the previous node's rank's copy into the
+        peer slot the next copy takes (memory_peer.exchange)."""
         assert self.partner is not None
-        to, frm = self.partner
-        blob = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8) if manifest else None
-        head = torch.tensor([buf.numel() if buf is not None and blob is not None else -1,
-                             blob.numel() if blob is not None else 0], dtype=torch.int64)
-        got = torch.empty(2, dtype=torch.int64)
-        _wait_all([tdist.isend(head, to, group=self.group), tdist.irecv(got, frm, group=self.group)])
-        nbytes, mlen = (int(x) for x in got.tolist())
-        slot, inbuf = self.peer[0 if self.peer_last is None else 1 - self.peer_last], None
-        if nbytes >= 0:
-            try:
-                if nbytes - (slot.buf.numel() if slot.buf is not None else 0) > _room(self.dir):
-                    raise CopyLost(f"the tmpfs has less than {_mb(nbytes)} free")
-                inbuf = slot.open(nbytes, pin=False)
-            except CopyLost as exc:
-                self.lost.append(f"the peer copy from rank {frm} ({exc})")
-        can, will = torch.tensor([int(inbuf is not None)], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
-        _wait_all([tdist.isend(can, frm, group=self.group), tdist.irecv(will, to, group=self.group)])
-        works = []
-        if blob is not None and buf is not None and int(will.item()):
-            works.append(tdist.isend(blob, to, group=self.group))
-            if buf.numel():
-                works.append(tdist.isend(buf, to, group=self.group))
-        inblob = torch.empty(mlen, dtype=torch.uint8)
-        if inbuf is not None:
-            works.append(tdist.irecv(inblob, frm, group=self.group))
-            if nbytes:
-                works.append(tdist.irecv(inbuf, frm, group=self.group))
-        _wait_all(works)
-        if inbuf is None:
-            return
-        try:
-            received = json.loads(bytes(inblob.numpy()).decode())
-        except ValueError:
-            received = {}
-        if not isinstance(received, dict) or received.get("rank") != frm or mc.checksum(inbuf) != received.get("sha256"):
-            self.lost.append(f"the peer copy from rank {frm} (it arrived damaged)")
-            return
-        try:
-            mc.write_manifest(slot.folder, received)
-        except OSError as exc:
-            self.lost.append(f"the peer copy from rank {frm} ({exc.strerror or exc})")
-            slot.release()
-            return
-        self.peer_last = self.peer.index(slot)
+        slot = self.peer[0 if self.peer_last is None else 1 - self.peer_last]
+        if exchange(self.group, *self.partner, slot, self.dir, buf, manifest, self.lost):
+            self.peer_last = self.peer.index(slot)
 
     def wait(self) -> None:
         """The previous save's seal and peer copy are done. A lost copy is said at once, and a run of
@@ -424,37 +293,6 @@ class MemoryTier:
 
     # ---- resume -----------------------------------------------------------------------------------
 
-    def _scan(self, after: int) -> list[dict[str, Any]]:
-        """This rank's share of the node's copies newer than `after` (the node's local ranks split them)."""
-        lw = max(self.ctx.env.local_world_size, 1)
-        folders = sorted(p for p in self.dir.iterdir() if p.is_dir() and not p.is_symlink()
-                         and p.name.startswith(("own-r", "peer-r")))
-        out = []
-        for i, folder in enumerate(folders):
-            if i % lw != self.ctx.local_rank % lw:
-                continue
-            entry: dict[str, Any] = {"folder": str(folder), "holder": self.ctx.rank, "node": self.node,
-                                     "node_rank": self.ctx.env.node_rank, "kind": folder.name.split("-")[0]}
-            if not (folder / mc.MANIFEST).exists():
-                continue  # being written when its process ended: never complete
-            try:
-                m = mc.manifest_of(folder)
-                mc.check_data(folder, m)
-                named = int(folder.name.split("-")[1][1:])
-                if m["rank"] != named:
-                    raise mc.Unusable(f"its manifest is rank {m['rank']}'s")
-                if m.get("run") != self.run:
-                    raise mc.Unusable("it belongs to another run")
-                lineage = m.get("lineage")
-                if not isinstance(lineage, dict) or not isinstance(lineage.get("attempt"), str):
-                    raise mc.Unusable("its manifest names no lineage")
-            except (mc.Unusable, ValueError) as exc:
-                out.append({**entry, "why": str(exc)})
-                continue
-            if m["step"] > after and m["world_size"] == self.ctx.world_size:
-                out.append({**entry, "state_rank": m["rank"], "step": m["step"], "lineage": lineage["attempt"]})
-        return out
-
     def find(self, after: int | None, warn: Callable[[str], None]) -> MemFound | None:
         """The newest step above `after` (the durable tier's) every rank's state has a usable copy of, all
         of one lineage, with each rank's copy read into memory for `load`; None: resume from the durable
@@ -462,7 +300,7 @@ class MemoryTier:
         self.wait()
         floor = -1 if after is None else after
         nodes = all_gather_object(self.ctx, self.node)
-        found = [e for es in all_gather_object(self.ctx, self._scan(floor)) for e in es]
+        found = [e for es in all_gather_object(self.ctx, scan(self.ctx, self.dir, self.node, self.run, floor)) for e in es]
         for e in found:
             if "why" in e:
                 warn(f"memory-tier copy {e['folder']} is not usable ({e['why']}); the next tier is used")
@@ -473,9 +311,9 @@ class MemoryTier:
                 self._forget_after(floor)
                 return None
             step, sources = choice
-            bad = self._verify(sources, nodes)
+            self._held, bad = verify(self.ctx.rank, self.node, sources, nodes)
             if not any(all_gather_object(self.ctx, bool(bad))):
-                bad = self._transfer(sources, nodes)
+                bad = transfer(self.group, self.ctx.rank, sources, nodes, self._held)
                 if not any(all_gather_object(self.ctx, bool(bad))):
                     break
             for folder, why in [b for bs in all_gather_object(self.ctx, bad) for b in bs]:
@@ -498,59 +336,6 @@ class MemoryTier:
             if newer:
                 (slot.folder / mc.MANIFEST).unlink(missing_ok=True)
         self.last, self.peer_last = _newest(self.own), (_newest(self.peer) if self.peer else None)
-
-    def _verify(self, sources: list[dict[str, Any]], nodes: list[str]) -> list[tuple[str, str]]:
-        """Read and check the chosen copies this rank reads: its own (on its node), and the ones it holds
-        for a rank on another node. Keeps them in memory for load and the transfer."""
-        self._held: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
-        bad = []
-        for r, s in enumerate(sources):
-            mine = r == self.ctx.rank and s["node"] == self.node
-            holds = s["holder"] == self.ctx.rank and s["node"] != nodes[r]
-            if not (mine or holds):
-                continue
-            folder = Path(s["folder"])
-            try:
-                m = mc.manifest_of(folder)
-                if m["step"] != s["step"] or m["rank"] != r:
-                    raise mc.Unusable("replaced since it was listed")
-                self._held[r] = (m, mc.read_data(folder, m))
-            except mc.Unusable as exc:
-                bad.append((str(folder), str(exc)))
-        return bad
-
-    def _transfer(self, sources: list[dict[str, Any]], nodes: list[str]) -> list[tuple[str, str]]:
-        """Each copy a rank needs from another node, from its holder, one pair at a time; the copies that
-        arrived damaged (their folder, why), on the rank that received them."""
-        bad = []
-        for r, s in enumerate(sources):
-            if s["node"] == nodes[r]:
-                continue
-            holder = s["holder"]
-            if self.ctx.rank == holder:
-                m, buf = self._held.pop(r)
-                blob = torch.frombuffer(bytearray(json.dumps(m).encode()), dtype=torch.uint8)
-                tdist.send(torch.tensor([buf.numel(), blob.numel()], dtype=torch.int64), r, group=self.group)
-                tdist.send(blob, r, group=self.group)
-                if buf.numel():
-                    tdist.send(buf, r, group=self.group)
-            elif self.ctx.rank == r:
-                head = torch.empty(2, dtype=torch.int64)
-                tdist.recv(head, holder, group=self.group)
-                blob = torch.empty(int(head[1]), dtype=torch.uint8)
-                tdist.recv(blob, holder, group=self.group)
-                buf = torch.empty(int(head[0]), dtype=torch.uint8)
-                if buf.numel():
-                    tdist.recv(buf, holder, group=self.group)
-                try:
-                    m = json.loads(bytes(blob.numpy()).decode())
-                except ValueError:
-                    m = {}
-                if not isinstance(m, dict) or mc.checksum(buf) != m.get("sha256"):
-                    bad.append((s["folder"], f"it arrived damaged from rank {holder}"))
-                    continue
-                self._held[r] = (m, buf)
-        return bad
 
     def load(self, found: MemFound) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
         """(shared state, this rank's own state, meta) of the copy `find` chose, as the durable backends give them."""
@@ -593,31 +378,6 @@ class MemoryTier:
         mr.leave(self.dir, self._alive, clean)
 
 
-def _newest(slots: list[_Slot]) -> int | None:
-    steps = []
-    for slot in slots:
-        try:
-            steps.append(int(json.loads(mr.read_private(slot.folder / mc.MANIFEST))["step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            steps.append(-1)
-    return steps.index(max(steps)) if max(steps) >= 0 else None
-
-
 def _timeout(ctx: DistContext) -> Any:
     from datetime import timedelta
     return timedelta(seconds=ctx.timeout_s)
-
-
-def _choose(usable: list[dict[str, Any]], nodes: list[str], world: int) -> tuple[int, list[dict[str, Any]]] | None:
-    """The newest step with a copy of every rank's state from one lineage (the attempt that wrote it: two
-    attempts' copies of one step are two different states), and for each rank the copy to take: on its
-    own node first (its own slot before a peer copy there), else the lowest holder's."""
-    by_step: dict[tuple[int, str], dict[int, list[dict[str, Any]]]] = {}
-    for e in usable:
-        by_step.setdefault((e["step"], e.get("lineage", "")), {}).setdefault(e["state_rank"], []).append(e)
-    for step, lineage in sorted(by_step, reverse=True):
-        held = by_step[step, lineage]
-        if all(r in held for r in range(world)):
-            return step, [min(held[r], key=lambda e: (e["node"] != nodes[r], e["kind"] != "own", e["holder"]))
-                          for r in range(world)]
-    return None
