@@ -3,7 +3,7 @@
     python bench/ledger_cost.py [--steps 600] [--calls 5000] [--rounds 5]
 
 The ledger writes nothing per step: one line per log window (log_every steps, 50 by default), one per
-checkpoint (ckpt_every, 100) and per eval pass, appended by rank 0 (boundary/ledger.py). So its cost per
+checkpoint (ckpt_every, 100) and per eval pass, appended by rank 0 (services/run_ledger.py). So its cost per
 step is the time of those lines divided by the steps between them. Measured in one run:
 
 - the time of one ledger line, as the boundary calls it (RunLedger.event: a dict, json.dumps, an

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ..dist.collectives import gather_object, rank0_verdict
 from ..dist.launch_token import launch_of
 from ..errors import UserError
-from ..exit_codes import EXIT_USER_ERROR
+from ..exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from ..reliability.verdicts import REPEATABLE, Verdict
 from ..run_account import LEDGER
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (
     from .protocol import Boundary
 
 FILE = LEDGER  # the run ledger's file, named where it is read (ddp_kit/run_account.py)
-OUTCOMES = {0: "done", 75: "preempted", 130: "interrupted", EXIT_USER_ERROR: "user error"}
+OUTCOMES = {0: "done", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted", EXIT_USER_ERROR: "user error"}
 
 
 def append(path: Path, record: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ..errors import EXIT_USER_ERROR, UserError, report_user_error
+from ..errors import UserError, report_user_error
+from ..exit_codes import EXIT_USER_ERROR
 
 if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
     from .protocol import Boundary

@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..dist.failfast import posted_failure
-from ..errors import EXIT_USER_ERROR
+from ..exit_codes import EXIT_USER_ERROR
 from ..reliability.failures import handle
 from ..reliability.verdicts import deterministic, of_failure, repeats
 

@@ -15,7 +15,7 @@ from ..run_folder import RunDir, RunLock, check_writable, new_token, remove_toke
 def prepare_run_dir(ctx: DistContext, rd: RunDir) -> tuple[RunLock | None, str]:
     """Before any work: the folder is writable, no other job uses it, and every rank sees the folder
     checkpoints are written into: run_dir, or ckpt_dir when that is a folder. With ckpt_dir a URL the
-    store is probed when its backend opens (object_store.probe) and run_dir may be each node's own.
+    store is probed when its backend opens (store_checks.probe) and run_dir may be each node's own.
     Returns rank 0's lock (None elsewhere) and the run's identity, rank 0's, on every rank."""
     lock = None
     shared = rd.path if rd.ckpt_dir is None else None if scheme_of(rd.ckpt_dir) else Path(rd.ckpt_dir)

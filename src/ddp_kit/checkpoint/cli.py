@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_USER_ERROR, UserError
+from ..errors import UserError
+from ..exit_codes import EXIT_USER_ERROR
 from . import layout, steps, weights
 from .storage import Storage
 from .storage_registry import open_storage, scheme_of

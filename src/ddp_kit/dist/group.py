@@ -23,7 +23,8 @@ from torch.torch_version import TorchVersion
 
 from .adopt import adopt, forget_ours, group_backend, leave, mark_ours, say_joined
 from ..env import DistEnv, check_gpus, detect
-from ..errors import EXIT_USER_ERROR, UserError
+from ..errors import UserError
+from ..exit_codes import EXIT_USER_ERROR
 from .failfast import LINGER_S, FailFast, announce, post
 from .reach import wait_for_master
 from .rounds import round_prefix

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import EXIT_USER_ERROR
+from ..exit_codes import EXIT_HANG, EXIT_USER_ERROR
 from ..hooks import Boundary, StepHooks
 from ..options import Option
 from ..service_registry import Service
@@ -89,7 +89,7 @@ def _peer_failed(b: Any, posted: dict[str, Any]) -> int | None:
 
 def _hung(b: Any, stalled_s: float) -> None:
     from ..boundary import attempts
-    from ..reliability.verdicts import EXIT_HANG, Verdict
+    from ..reliability.verdicts import Verdict
 
     step = b.progress.step
     attempts.record_end(b, EXIT_HANG, Verdict("hang", True, f"no progress for {stalled_s:.0f}s at step {step} in "
