@@ -95,7 +95,7 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     policy = in_part(policy, env.part)
     progress = Progress()
     box: list[StepBoundary] = []
-    flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].saved_step if box else None)).install()
+    flag = PreemptFlag(env.rank, where=lambda: (progress.step, box[0].steps.saved if box else None)).install()
     stack = ExitStack()
     stack.callback(flag.restore)
     hang_dir = hang_folder(policy.run_dir) if policy.run_dir else None  # no run folder: NCCL's own default

@@ -40,7 +40,7 @@ class Policy:
     rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
     straggler_margin: float = 0.2  # a rank this much slower than the median, twice in a row, is named
     ckpt_write_delay_s: float = 0.0  # test hook: slow every checkpoint write down
-    settings: Mapping[str, Any] = field(default_factory=dict)  # every service's settings (services.settings)
+    settings: Mapping[str, Any] = field(default_factory=dict, hash=False)  # every service's settings (services.settings)
 
     def __init__(self, **given: Any) -> None:
         own = {f.name: f for f in dataclasses.fields(self) if f.name != "settings"}
