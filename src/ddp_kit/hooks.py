@@ -15,8 +15,9 @@ they were attached, at these points:
     restored_from_disk(b)       after run.resume read a checkpoint or found none (not after restore=True)
     resumed(b, meta)            run.resume is over, however it ended: `meta` is the resumed checkpoint's
                                 meta.json ({} when none was read: a fresh start or a peer's state)
-    optimizer_step(b)           an optimizer is about to write the parameters (and at run.step, for a step
-                                whose optimizer was gated off): what still reads them must be done
+    optimizer_step(b)           an optimizer is about to write the parameters, and again at every run.step
+                                (a step whose optimizer was gated off): what still reads them must be done;
+                                it may run twice a step, so it must be idempotent
     before_batch(b)             the loader is about to fetch the next step's first batch
     epoch_ended(b)              the loader's epoch ended
     counts(b) -> bool           the step that just ended counts (False: discarded, not a step)
