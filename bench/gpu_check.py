@@ -175,6 +175,20 @@ def part_doctor() -> dict:
     return _verdict(True, f"valid JSON, rc {res['rc']}", report=report)
 
 
+def part_preflight() -> dict:
+    res = _sub([PY, "-m", "ddp_kit.doctor", "--preflight", "--mode", "thorough", "--json", "--run_dir",
+                str(Path(tempfile.mkdtemp()) / "run")], 55)
+    try:
+        report = json.loads(res["stdout"])
+    except ValueError:
+        return _verdict(False, "stdout is not JSON", stdout=res["stdout"][-1500:], stderr=res["stderr"][-1500:])
+    seen = {r["check"]: r for r in report.get("results", [])}
+    gpu_read = "gpu_health" in seen and not seen["gpu_health"].get("skipped") and "gpu_matmul" in seen
+    figure = f"healthy={report.get('healthy')}, rc {res['rc']}, {report.get('seconds')}s; " + "; ".join(
+        f"{r['check']}: {r.get('measured', '')}" for r in report.get("results", []))
+    return _verdict(gpu_read and res["rc"] in (0, 2), figure[:600], report=report)
+
+
 def part_checkpoint() -> dict:
     import torch
 
@@ -347,6 +361,8 @@ def part_pytest_cuda() -> dict:
 
 PARTS: dict[str, tuple[Part, Callable[[], dict]]] = {p.name: (p, fn) for p, fn in (
     (Part("doctor", 45, False, "`python -m ddp_kit.doctor --json --memory --comm` prints valid JSON"), part_doctor),
+    (Part("preflight", 60, True, "`doctor --preflight --mode thorough --json` reads NVML and runs the checked matmul "
+          "on the GPU (healthy or not, said in the figure)"), part_preflight),
     (Part("checkpoint", 45, True, "async save blocks <= 0.25x torch.save of the same state; model.pt loads with no "
           "map_location in a process with no GPU"), part_checkpoint),
     (Part("host_syncs", 45, True, "0 device->host syncs in every steady-state step (after 10 warm-up steps, "

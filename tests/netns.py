@@ -44,10 +44,12 @@ class Host:
     def hosts_file(self) -> Path:
         return Path(f"/etc/netns/{self.ns}/hosts")
 
-    def command(self, *argv: str) -> list[str]:
-        """`argv` run inside this host, under its hostname."""
+    def command(self, *argv: str, setup: str = "") -> list[str]:
+        """`argv` run inside this host, under its hostname. `setup`: shell commands run first, as root in the
+        host's own mount namespace (`ip netns exec` makes one, a slave of the machine's): a mount there, such
+        as a tiny tmpfs over /dev/shm, is this host's alone."""
         return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--", "sh", "-c",
-                f'hostname {self.name} && exec "$@"', "sh", *argv]
+                f'hostname {self.name} && {setup + " && " if setup else ""}exec "$@"', "sh", *argv]
 
 
 _calls = itertools.count()

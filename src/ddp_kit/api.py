@@ -41,7 +41,8 @@ from .dist import distributed
 from .doctor import findings_for_error
 from .env import DistEnv, detect
 from .integrations.ray import reporter as ray_reporter
-from .options import Option
+from .options import AUTO, Option, every_or_auto
+from .parallel.batch_finder import BatchSearch, find_batch_size
 from .parallel.strategy import option_keywords
 from .parallel.wrap import kernel_settings
 from .reliability.preemption import PreemptFlag
@@ -51,7 +52,8 @@ from .run_folder import hang_folder
 from .run_options import config_as_json, in_part, policy_from_options
 from .service_registry import options
 
-__all__ = ["Resumed", "Run", "init", "init_options", "service_options"]
+__all__ = ["AUTO", "BatchSearch", "Resumed", "Run", "every_or_auto", "find_batch_size", "init", "init_options",
+           "service_options"]
 
 
 def service_options() -> list[Option]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 
 from .exit_codes import EXIT_FAILED
 from .exit_codes import EXIT_USER_ERROR as EXIT_USER_ERROR  # its old home: `from ddp_kit.errors import` still works
@@ -57,6 +58,33 @@ class Unavailable(UserError):
 
     retryable = True
     exit_code = EXIT_FAILED
+
+
+class Unhealthy(Unavailable):
+    """The pre-flight health gate found a host unfit (preflight/): said once for the job, with the hosts it
+    names and what was done about them. Exit 1, retryable (verdict infrastructure, naming the hosts): a
+    restart elsewhere, or once the host recovered, may pass; exit 2 where the job cannot go on without them
+    (an elastic job left below its minimum of nodes)."""
+
+    def __init__(self, message: str, hint: str, hosts: list[str], exit_code: int = EXIT_FAILED):
+        super().__init__(message, hint, verdict=True)
+        self.hosts = hosts
+        self.exit_code = exit_code
+        self.retryable = exit_code == EXIT_FAILED
+
+
+# A job-wide error is printed by rank 0 alone, and torchrun stops every worker once one exits. So the
+# others wait this long for rank 0 to get there before they exit: on a busy machine rank 0 reached the
+# same line after rank 1 had exited and torchrun had already stopped it (CI, stop 53), and nothing was said.
+# Rank 0's exit ends the wait early (torchrun stops the rest), so it costs time only where rank 0 never
+# gets there.
+ECHO_WAIT_S = 5.0
+
+
+def hold_for_rank0(err: UserError, rank: int) -> None:
+    """Before a silent rank exits on a job-wide error: give rank 0 the time to print it."""
+    if rank != 0 and not err.local:
+        time.sleep(ECHO_WAIT_S)
 
 
 def report_user_error(err: UserError, rank: int) -> None:

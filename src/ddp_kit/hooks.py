@@ -14,7 +14,8 @@ they were attached, at these points:
                                 elsewhere (a peer), no checkpoint is read
     restored_from_disk(b)       after run.resume read a checkpoint or found none (not after restore=True)
     resumed(b, meta)            run.resume is over, however it ended: `meta` is the resumed checkpoint's
-                                meta.json ({} when none was read: a fresh start or a peer's state)
+                                meta.json ({} when none was read: a fresh start or a peer's state); also
+                                after a rollback (sync_fix rollback) restored an earlier step mid-run
     optimizer_step(b)           an optimizer is about to write the parameters, and again at every run.step
                                 (a step whose optimizer was gated off): what still reads them must be done;
                                 it may run twice a step, so it must be idempotent
@@ -23,6 +24,9 @@ they were attached, at these points:
     counts(b) -> bool           the step that just ended counts (False: discarded, not a step)
     after_step(b)               after a counted step
     first_step(b)               the first step of this attempt is over (the ranks agreed, timeouts shortened)
+    saving(b)                   a durable checkpoint of this step is about to be made (collective: every rank,
+                                every durable save: ckpt_every, timed, run.save, a stop's, the final one);
+                                what it puts in b.meta goes into this step's meta.json
     agree_stop(b, signum, due)  the stop agreement, after the ranks' own (collective where the hook's
                                 peers are): returns the signal and whether a timed checkpoint is due
     may_requeue(b) -> bool      whether this process's job may requeue itself at a stop
@@ -75,12 +79,16 @@ class StepState:
     attempt_started: bool = False  # attempts.begin recorded this attempt's start (rank 0)
     resumed_from: int | None = None  # the step a checkpoint (or a peer) gave this attempt
     resumed_path: Path | str | None = None  # a step folder, a URL, or the memory tier's description
+    # The last step the ranks are known to have held the same weights: a sync check passed there, or a resume or a
+    # rollback restored one state (sync_fix rollback goes back to it; every durable checkpoint's meta names it)
+    synced: int = 0
     pending: bool = False  # an optimizer stepped since the last boundary (implicit mode)
     owed: set[str] = field(default_factory=set)  # an epoch's last step deferred these tiers' saves to the next batch or epoch
     owed_check: bool = False  # ... and its stop check
     resumed: bool = False  # run.resume has run: objects registered later would never be restored
     explicit: bool = False  # the loop calls run.step() itself: optimizer hooks count nothing
     stopped: bool = False  # a stop signal was acted on: no final checkpoint at close
+    finishing: bool = False  # the loop is over (a clean end): a divergence found now cannot be trained again in process
     failed: bool = False  # this process ends on an error: no final checkpoint at close
     not_a_step: bool = False  # an optimizer step that is not training (torch's get_state_dict; state_io)
     measure_grads: bool = True  # at the next optimizer step: gradients exist only until zero_grad
@@ -124,6 +132,8 @@ class Boundary(Protocol):
     def say(self, msg: str) -> None: ...
 
     def write(self, record: dict[str, Any]) -> None: ...
+
+    def tell(self, record: dict[str, Any]) -> None: ...  # an event for the hooks (and the ledger) only
 
     @property
     def on_log(self) -> list[Callable[[dict[str, Any]], None]]: ...
@@ -172,8 +182,17 @@ class StepHooks:
     def first_step(self, b: Boundary) -> None:
         pass
 
-    def agree_stop(self, b: Boundary, signum: int, due: bool) -> tuple[int, bool]:
-        return signum, due
+    def agree_stop(self, b: Boundary, signum: int, due: int) -> tuple[int, int]:
+        return signum, due  # due: the stop check's tier level (stopping.py), 0 for none
+
+    def timed_due(self, b: Boundary) -> tuple[str, ...]:
+        return ()  # tiers due by this hook's clock (rank 0's counts), saved at the next stop check
+
+    def saving(self, b: Boundary) -> None:
+        pass  # a durable checkpoint of this step is about to be made: b.meta may still change (collective)
+
+    def saved(self, b: Boundary, tier: str, seconds: float) -> None:
+        pass  # a tier saved this step; the loop waited `seconds` for it
 
     def may_requeue(self, b: Boundary) -> bool:
         return True

@@ -27,6 +27,7 @@ class Option:
     own_keyword: bool = False
     # Refuses a value in one line (UserError) before anything starts; given the parsed value.
     check: Callable[[Any], None] | None = None
+    auto: bool = False  # a count that also takes "auto" (its value then chosen at run time: a checkpoint interval)
 
     @property
     def config_type(self) -> Any:
@@ -35,9 +36,45 @@ class Option:
     def value(self, given: Any) -> Any:
         """The keyword's value from what a caller passed (a config value or the keyword's own form), checked."""
         out = self.parse(given) if self.parse is not None else given
+        if self.auto:
+            out = auto_or(out)
         if self.check is not None:
             self.check(out)
         return out
+
+
+AUTO = "auto"  # an interval ddp_kit chooses from what the run measures (services/cadence.py)
+
+
+def auto_or(value: Any) -> Any:
+    """AUTO for "auto" in any case ("Auto" from a script: the CLI lowercases, a keyword is passed as typed);
+    anything else as given. Every comparison with AUTO downstream can then be exact."""
+    return AUTO if isinstance(value, str) and value.strip().lower() == AUTO else value
+
+
+def every_or_auto(name: str) -> Callable[[Any], None]:
+    """A check: `name` is a count where 0 means off, or "auto"."""
+    def check(value: Any) -> None:
+        from .errors import UserError
+
+        if auto_or(value) == AUTO:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"config key '{name}' must be a count >= 0 or \"auto\"; got {value!r}",
+                            f"e.g. --{name} 100, or --{name} auto to let ddp_kit choose from the save cost and the "
+                            f"failure rate")
+    return check
+
+
+def above(name: str, low: float, example: str, strict: bool = False) -> Callable[[Any], None]:
+    """A check: `name` is at least `low` (above it, `strict`)."""
+    def check(value: Any) -> None:
+        from .errors import UserError
+
+        if value < low or (strict and value == low):
+            raise UserError(f"config key '{name}' must be {'>' if strict else 'at least'} {low:g}; got {value!r}",
+                            f"e.g. --{name} {example}")
+    return check
 
 
 def at_least_zero(name: str) -> Callable[[Any], None]:

@@ -99,8 +99,8 @@ class Run:
         models = any(isinstance(o, nn.Module) for o in objs)
         if chosen.sharded and models:
             if self._uneven_eval:
-                raise UserError("run.eval_loader was called before run.prepare(model, strategy='fsdp'): its batches "
-                                "were split for DDP, and under FSDP ranks with fewer eval batches would leave the "
+                raise UserError(f"run.eval_loader was called before run.prepare(model, strategy='{chosen.name}'): its "
+                                "batches were split for DDP, and under a sharded strategy ranks with fewer eval batches would leave the "
                                 "others waiting in an all-gather", "call run.prepare on the model first, then "
                                 "run.eval_loader")
         if models:
@@ -216,8 +216,10 @@ class Run:
     def step(self, loss: Any = None) -> int:
         """Call once per optimizer step, after `optimizer.step()`; `loss` (a tensor, never read on the
         spot) feeds metrics.jsonl and the NaN check. Returns the steps done. May save a checkpoint,
-        and on a stop signal saves, requeues under SLURM and exits 75 (130 for Ctrl-C) on every rank."""
-        return self._boundary.step(loss)
+        and on a stop signal saves, requeues under SLURM and exits 75 (130 for Ctrl-C) on every rank. After a
+        rollback (sync_fix rollback, docs/sdc.md) the steps done are the restored checkpoint's."""
+        self._boundary.step(loss)
+        return self._boundary.steps.done
 
     def save(self) -> None:
         """Checkpoint now (every rank must call it); resumable by `run.resume`."""
@@ -250,10 +252,11 @@ class Run:
         while epoch < stop:
             yield epoch
             self._boundary.flush()
-            # Read anew where a peer's state came in during the epoch (strategy ft's live recovery): the run is in its
-            # peer's epoch now. (Elsewhere a loop may iterate its loader twice per epoch of its own.)
+            # Read anew where a peer's state came in during the epoch (strategy ft's live recovery), or a rollback
+            # restored an earlier step (sync_fix rollback): the run is in that state's epoch now. (Elsewhere a loop
+            # may iterate its loader twice per epoch of its own.)
             jumped, self._boundary.steps.jumped = self._boundary.steps.jumped, False
-            epoch = max(epoch + 1, start + self.epoch) if jumped else epoch + 1
+            epoch = start + self.epoch if jumped else epoch + 1
 
     def heartbeat(self, phase: str = "eval") -> None:
         """Long work between steps (an eval, a big save of your own): this rank is alive. "eval",

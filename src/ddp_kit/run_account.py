@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .run_account_records import _f, _int, _num, _Raw, group, max_steps_of, read
+from .run_account_records import Rollback, _f, _int, _num, _Raw, group, max_steps_of, read, rollbacks, since_rollback
 
 LEDGER = "attempts.jsonl"  # in run_dir; the writer's name for it is boundary/attempts.py's FILE
 # Badput causes, in the order the status table shows them.
@@ -114,6 +114,7 @@ class RunAccount:
     slowest: Slowest | None
     skipped_lines: int = 0  # lines that were not a record (a line cut by a kill)
     spared: dict[str, int] = field(default_factory=dict)  # per tier (memory, peer): steps its resumes did not replay
+    rollbacks: tuple[Rollback, ...] = ()  # after a sync check's vote (sync_fix rollback): their lost steps are replayed
     now: float = field(default=0.0, compare=False)
 
     @property
@@ -181,8 +182,8 @@ def _last_step(a: _Raw, nxt: _Raw | None, resumed: int | None) -> int | None:
         done = _complete(nxt.start.get("killed_before"))
         if done is not None:
             return done
-    seen = [int(r["step"]) for r in a.lines if r["event"] in ("progress", "checkpoint", "first_step", "eval", "resume")
-            and _num(r.get("step"))]
+    seen = [int(r["step"]) for r in since_rollback(a) if r["event"] in ("progress", "checkpoint", "first_step", "eval",
+                                                                       "resume", "rollback") and _num(r.get("step"))]
     return max(seen) if seen else resumed
 
 
@@ -293,7 +294,8 @@ def account(records: list[dict[str, Any]], now: float | None = None, max_steps: 
         badput={k: total[k] for k in CAUSES}, replayed_steps=replayed_total, attempts=tuple(attempts),
         checkpoints=_lineage(raws, resumed), slowest=_slowest(records), skipped_lines=skipped_lines,
         spared={t: sum(a.spared_steps for a in attempts if a.resumed_tier == t) for t in ("memory", "peer")
-                if any(a.resumed_tier == t for a in attempts)}, now=now)
+                if any(a.resumed_tier == t for a in attempts)},
+        rollbacks=tuple(rb for a in raws for rb in rollbacks(a)), now=now)
 
 
 def _attempt(a: _Raw, nxt: _Raw | None, resumed: list[int | None], launched_t: float, next_launched_t: float | None,
@@ -306,6 +308,7 @@ def _attempt(a: _Raw, nxt: _Raw | None, resumed: list[int | None], launched_t: f
     later = [r for r in resumed[1:] if r is not None]
     kept = min(max(min(later), r0), d) - r0 if later and r0 is not None and d is not None else n
     kept = max(0, min(kept, n))
+    n += sum(rb.lost for rb in rollbacks(a))  # a rollback's lost steps were trained twice: the first time is replayed
     blocking = (sum((_f(r.get("blocking_s")) for r in a.of("checkpoint")), 0.0)
                 + sum((_f(r.get("mem_s")) for r in a.of("progress")), 0.0))  # the memory tier's waits
     evaluating = sum((_f(r.get("seconds")) for r in a.of("eval")), 0.0)
@@ -407,8 +410,9 @@ def _lineage(raws: list[_Raw], resumed: list[int | None]) -> tuple[Checkpoint, .
             if not _num(r.get("step")):
                 continue
             c = int(r["step"])
-            fate = ""
-            for j in range(i + 1, len(raws)):
+            fate = next((f"set aside by the rollback at step {rb.step}" for rb in rollbacks(a)
+                         if rb.t >= r["t"] and rb.to < c <= rb.step), "")
+            for j in range(i + 1, len(raws) if not fate else 0):
                 rj = resumed[j]
                 if rj is None:
                     continue

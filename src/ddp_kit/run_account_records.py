@@ -52,7 +52,7 @@ BIGGEST = 1e15  # no count or second the writers put in the ledger comes near; N
 _LATEST_T = 1e11  # a unix time past this (the year 5138) is no clock's
 _NUMBERS = frozenset({"t", "launched_t", "step", "steps", "window_s", "blocking_s", "commit_s", "seconds", "paused_s",
                       "stalled_s", "latest", "attempt", "exit", "rank", "world_size", "restart_count", "durable_step",
-                      "slowest_rank"})
+                      "slowest_rank", "to", "lost", "agreed"})
 _TEXTS = frozenset({"verdict", "cause", "fix", "engine", "host", "from", "tier", "phase", "why", "outcome", "error",
                     "slowest_host"})
 
@@ -137,3 +137,38 @@ def group(records: list[dict[str, Any]]) -> list[_Raw]:
             cur.end = r
         cur.lines.append(r)
     return raws
+
+
+# --- rollbacks -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rollback:
+    """A rollback after a sync check's vote (boundary/rollback.py): found at `step`, every rank went back to
+    `to`; `ranks` disagreed with the majority, on `hosts` (one per rank)."""
+    attempt: int
+    t: float
+    step: int
+    to: int
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+
+    @property
+    def lost(self) -> int:
+        return max(0, self.step - self.to)
+
+    def who(self) -> list[str]:
+        return [f"rank {r}" + (f" on {h}" if h else "") for r, h in zip(self.ranks, self.hosts + ("",) * len(self.ranks))]
+
+
+def rollbacks(a: _Raw) -> list[Rollback]:
+    """Attempt `a`'s rollbacks, in order."""
+    return [Rollback(a.number, r["t"], int(r["step"]), int(r["to"]),
+                     tuple(int(k) for k in r.get("ranks") or () if _num(k)), tuple(str(h) for h in r.get("hosts") or ()))
+            for r in a.of("rollback") if _num(r.get("step")) and _num(r.get("to"))]
+
+
+def since_rollback(a: _Raw) -> list[dict[str, Any]]:
+    """Attempt `a`'s lines from its last rollback on, that rollback's line standing at its `to` step: what the
+    attempt did before it was trained again."""
+    last = max((i for i, r in enumerate(a.lines) if r["event"] == "rollback" and _num(r.get("to"))), default=None)
+    return a.lines if last is None else [{**a.lines[last], "step": a.lines[last]["to"]}, *a.lines[last + 1:]]

@@ -75,6 +75,18 @@ class RunDir:
         return self.path / "archive"
 
 
+class NotWritable(UserError):
+    """A folder refused: `errno` says whether it looks like the node's (EROFS: a file system remounted read-only
+    after errors, EIO) or the job's choice (EACCES, ENOTDIR, EEXIST)."""
+
+    def __init__(self, message: str, hint: str, errno_: int | None):
+        super().__init__(message, hint, local=True)
+        self.errno = errno_
+
+
+NODE_ERRNOS = frozenset({errno.EROFS, errno.EIO})
+
+
 def check_writable(path: Path, what: str = "run_dir") -> None:
     """Create `path` and write a probe file in it, or refuse in one line naming the path (`what` it is)."""
     try:
@@ -86,7 +98,7 @@ def check_writable(path: Path, what: str = "run_dir") -> None:
         why = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable (permission denied)",
                errno.ENOTDIR: "is under a regular file, not a folder", errno.ENOSPC: "is on a full disk",
                errno.EEXIST: "exists and is not a folder"}.get(exc.errno or 0, f"cannot be written ({exc.strerror})")
-        raise UserError(f"{what} {str(path)!r} {why}", f"pass a writable folder as {what}", local=True) from None
+        raise NotWritable(f"{what} {str(path)!r} {why}", f"pass a writable folder as {what}", exc.errno) from None
 
 
 class RunLock:

@@ -9,7 +9,8 @@ newest complete step across tiers), or a tuple of them. Adding a service is a ne
 file plus one line in `SERVICES`; the step boundary names none of them.
 
 The order of `SERVICES` is the order they are attached, and so the order their hooks run in: the run
-ledger writes an attempt's end line before the trackers close (a tracker slow to close must not cost it).
+ledger writes an attempt's end line before the trackers close (a tracker slow to close must not cost it), and
+its start line (the crash-loop rule) before the health gate runs, which comes before anything else starts.
 
 This module imports no torch: the settings are known before torch is loaded (config help, the recipe
 rule); a service's own file imports what it runs inside its factory.
@@ -28,8 +29,12 @@ from .options import Option
 # name -> the module that defines it as SERVICE, in the order they are attached
 SERVICES: dict[str, str] = {
     "ledger": "ddp_kit.services.run_ledger",
+    "health": "ddp_kit.services.health_gate",
     "trackers": "ddp_kit.services.trackers",
     "memory_tier": "ddp_kit.services.memory_tier",
+    "cadence": "ddp_kit.services.cadence",
+    "profiler": "ddp_kit.services.profiler",
+    "keep_best": "ddp_kit.services.keep_best",
 }
 
 

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from datetime import datetime
 from json import dumps
+from typing import Any
 
 from .errors import UserError
 from .exit_codes import EXIT_USER_ERROR
@@ -20,7 +21,7 @@ MEANING = {  # one line per cause, under the table
     "startup": "launch to the first step (imports, rendezvous, restore), less that step",
     "checkpoint": "time the training loop was blocked by checkpoint saves",
     "evaluation": "evaluation passes",
-    "replayed": "steps trained, then lost to a restart from an older checkpoint, and trained again",
+    "replayed": "steps trained, then lost to a restart from an older checkpoint or a rollback, and trained again",
     "down": "from one attempt's end to the next one's launch (requeue, scheduling, restart back-off)",
     "hang": "stalls: from the last progress to the watchdog's report",
     "replica": "strategy ft: pauses while replica groups left or joined, and discarded steps",
@@ -82,6 +83,10 @@ def render(run: RunAccount, run_dir: str = "") -> str:
         lines.append("memory tier: " + ", ".join(f"{n} step{'s' if n != 1 else ''} not replayed thanks to "
                                                  f"{'own-node copies' if t == 'memory' else 'peer copies'}"
                                                  for t, n in run.spared.items()))
+    if run.rollbacks:  # sync_fix rollback: a rank outvoted at a sync check (docs/sdc.md)
+        lost = sum(rb.lost for rb in run.rollbacks)
+        who = ", ".join(dict.fromkeys(w for rb in run.rollbacks for w in rb.who()))
+        lines.append(f"rollbacks: {len(run.rollbacks)} ({lost} step{'s' if lost != 1 else ''} trained again; {who})")
     lines.append("")
     lines.append(f"  {'badput':<11} {'seconds':>10} {'%':>6}")
     for cause in CAUSES:
@@ -123,9 +128,52 @@ def render(run: RunAccount, run_dir: str = "") -> str:
     return "\n".join(lines)
 
 
+def health(run_dir: str) -> dict[str, Any]:
+    """The health gate's last results (its "health" line in the ledger: per host, and what it cost) and the
+    hosts attempts left out, with why."""
+    from pathlib import Path
+
+    from .preflight.leave import left_out
+    from .run_account import LEDGER
+    from .run_account_records import read
+
+    records, _ = read(Path(run_dir) / LEDGER)
+    gates = [r for r in records if r.get("event") == "health" and isinstance(r.get("per_host"), dict)]
+    return {"gate": gates[-1] if gates else None, "left_out": left_out(records)}
+
+
+def render_health(seen: dict[str, Any]) -> list[str]:
+    lines = []
+    gate = seen["gate"]
+    if gate is not None:
+        hosts = gate["per_host"]
+        lines.append(f"  health gate (attempt {gate.get('attempt', '?')}, {gate.get('mode', '?')}, "
+                     f"{float(gate.get('seconds') or 0):.2f}s of its start-up): "
+                     + ", ".join(f"{h} {'ok' if v.get('ok') else 'FAILED'}" for h, v in hosts.items()))
+        lines += [f"    {line}" for v in hosts.values() for line in v.get("failed", [])]
+    if seen["left_out"]:
+        lines.append("  hosts left out: " + "; ".join(f"{h} ({why})" for h, why in seen["left_out"].items()))
+    return [""] + lines if lines else []
+
+
+def last_cadence(run_dir: str) -> dict[str, Any] | None:
+    """The run's last "cadence" line: the automatic checkpoint intervals in force and their inputs."""
+    from pathlib import Path
+
+    from .run_account import LEDGER
+    from .run_account_records import read
+
+    records, _ = read(Path(run_dir) / LEDGER)
+    return next((r for r in reversed(records) if r.get("event") == "cadence"), None)
+
+
 def show(run_dir: str, as_json: bool = False) -> RunAccount:
+    from .reliability.cadence import describe
+
     run = load(run_dir)
-    print(dumps(run.as_dict()) if as_json else render(run, run_dir), flush=True)
+    seen, chosen = health(run_dir), last_cadence(run_dir)
+    print(dumps({**run.as_dict(), "health": seen, "cadence": chosen}) if as_json else
+          "\n".join([render(run, run_dir), *render_health(seen), *describe(chosen)]), flush=True)
     return run
 
 

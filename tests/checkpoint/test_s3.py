@@ -243,9 +243,11 @@ def test_a_second_job_on_one_url_is_refused_then_takes_over_once_the_first_is_de
     env = s3.env()
     args = ["-m", "ddp_kit.train", "--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5",
             "--ckpt_dir", url(bucket)]
-    a = subprocess.Popen([sys.executable, *args, "--run_dir", str(tmp_path / "a"), "--inject", "slow:rank=0:step=1:ms=400"],
+    a = subprocess.Popen([sys.executable, *args, "--run_dir", str(tmp_path / "a"), "--inject", "slow:rank=0:step=1:ms=1500"],
                          cwd=ROOT, env=proc_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # 44 steps of 0.4 s: A outlives B's refusal
+                         start_new_session=True)  # 44 steps of 1.5 s: A outlives B's refusal
+    # (at 0.4 s a step, B's start on a busy machine took as long as A's whole run: A finished and released
+    # its lease just before the kill, and B's rerun had nothing to take over)
     try:
         wait_for("job A's first commit", lambda: latest(s3, bucket), a)
         lease = [k for k in s3.keys(bucket, PREFIX + "/") if k.startswith(f"{PREFIX}/{layout.LEASE_PREFIX}")]

@@ -169,9 +169,10 @@ def test_facts_of_a_plain_process():
 def test_launchers_are_tried_in_order_and_each_says_none_when_not_its_process():
     from ddp_kit.env import LAUNCHERS
 
-    # the engines' own files joined the order (issue 27): Ray before torchrun, the operators before env://
-    assert [m.NAME for m in LAUNCHERS] == ["ray", "torchrun", "trainer", "volcano", "pytorchjob", "env", "slurm",
-                                           "single"]
+    # the engines' own files joined the order (issue 27): Ray before torchrun, the operators before env://;
+    # jsrun and mpirun (issue 49) right after torchrun
+    assert [m.NAME for m in LAUNCHERS] == ["ray", "torchrun", "lsf", "mpi", "trainer", "volcano", "pytorchjob", "env",
+                                           "slurm", "single"]
     for launcher in LAUNCHERS[:-1]:
         assert launcher.detect({}) is None  # only the last always answers
     assert LAUNCHERS[-1].detect({}) == DistEnv()

@@ -245,3 +245,31 @@ def test_run_dir_not_shared_between_nodes(cluster, tmp_path):
     assert info["JobState"] == "FAILED" and len(errs) == 1, text
     assert "is not one shared folder" in errs[0] and "node2" in errs[0] and "Traceback" not in text, text
     assert "step 1" not in text and "done:" not in text
+
+
+def test_a_node_the_health_gate_fails_is_excluded_at_the_requeue(cluster, tmp_path):
+    """node1's node-local folder turned read-only (in its mount namespace only) and the checkpoints asked there:
+    the gate fails on node1 before step 1, the job requeues itself without node1 and finishes on node2."""
+    import subprocess
+
+    node_local, ckpt = cluster.node_local, cluster.node_local / "gate-ckpt"
+    node1 = str(cluster.pids["slurmd.node1"])
+    subprocess.run(["nsenter", "-t", node1, "-m", "mount", "-o", "remount,ro", str(node_local)], check=True, timeout=30)
+    try:
+        run_dir = tmp_path / "run"
+        job = submit(cluster, "srun.sbatch", run_dir, "--ckpt_dir", str(ckpt), sbatch=["--nodes=1"])
+        release_requeued(cluster, job)
+        info = cluster.wait_job(job, timeout=300)
+    finally:
+        subprocess.run(["nsenter", "-t", node1, "-m", "mount", "-o", "remount,rw", str(node_local)], timeout=30)
+    text = output(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info.get("NodeList") == "node2", (info, text)
+    records = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    ends = [r for r in records if r.get("event") == "end"]
+    assert info.get("ExcNodeList") == "node1" and int(info.get("Restarts", 0)) == 1, info
+    assert "health check failed on node1: checkpoints" in text and "requeued without node1" in text and "requeued the job without node1" in text, text
+    assert "(hint: fix or drain the host, then rerun)" in text, text
+    assert [e["verdict"] for e in ends] == ["infrastructure", "finished"] and ends[0]["host"] == "node1", records
+    assert [r["left_out"] for r in records if r.get("event") == "excluded"] == [
+        {"node1": "health gate: checkpoints"}], records
+    assert not [r for r in records if r.get("event") == "first_step" and r.get("attempt") == 1], records

@@ -14,9 +14,9 @@ from ddp_kit.parallel.strategy import NAMES, Option, Strategy, every_strategy, s
 
 
 def test_registry_names_each_strategy_by_the_name_meta_json_writes():
-    assert NAMES == ("ddp", "fsdp", "ft")
+    assert NAMES == ("ddp", "fsdp", "hsdp", "ft")
     assert [s.name for s in every_strategy()] == list(NAMES)
-    assert (strategy("ddp").sharded, strategy("fsdp").sharded, strategy("ft").sharded) == (False, True, False)
+    assert [strategy(n).sharded for n in NAMES] == [False, True, True, False]
 
 
 def test_unknown_strategy_is_one_line_naming_the_known_ones():

@@ -285,16 +285,19 @@ def _imports(module: Path) -> set[str]:
 
 def test_status_reads_files_only_no_torch_no_run_folder():
     """Its import closure (the conftest imports torch in this process, so it is read from the source):
-    run_account.py and status.py import errors.py, exit_codes.py and the standard library, never torch nor run_folder (which
-    pulls in the checkpoint package and torch)."""
+    run_account.py and status.py import errors.py, exit_codes.py, preflight/leave.py (the hosts left out),
+    reliability/cadence.py (the automatic intervals' lines; its package imports its modules lazily) and the
+    standard library, never torch nor run_folder (which pulls in the checkpoint package and torch)."""
     src = ROOT / "src" / "ddp_kit"
     seen = set()
-    for name in ("status.py", "run_account.py", "run_account_records.py", "errors.py", "exit_codes.py"):
+    for name in ("status.py", "run_account.py", "run_account_records.py", "errors.py", "exit_codes.py",
+                 "preflight/leave.py", "preflight/__init__.py", "reliability/cadence.py", "reliability/__init__.py"):
         for imported in _imports(src / name):
             assert not imported.startswith(("torch", "numpy")), (name, imported)
             if imported.startswith("."):
                 seen.add(imported)
-    assert seen <= {".errors", ".exit_codes", ".run_account", ".run_account_records"}, seen
+    assert seen <= {".errors", ".exit_codes", ".run_account", ".run_account_records", ".preflight.leave",
+                    ".reliability.cadence"}, seen
 
 
 def test_report_draws_the_timeline_only_when_the_ledger_has_a_start(tmp_path):

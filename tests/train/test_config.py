@@ -1,4 +1,5 @@
 """Config precedence and strictness, and the one-line errors of the CLI (real processes)."""
+import os
 import sys
 from pathlib import Path
 
@@ -161,7 +162,15 @@ def test_cli_bad_input_one_line_exit_2(args, needles, tmp_path):
 
 @pytest.mark.integration
 def test_torchrun_batch_not_divisible_printed_once(tmp_path):
-    res = torchrun(["-m", "ddp_kit.train", "--batch_size", "63", "--run_dir", str(tmp_path / "r")], nproc=2)
+    # Rank 0 starts 2 s late (a sitecustomize on PYTHONPATH, seen only by the workers: RANK is set for
+    # them alone), as on a busy machine: rank 1 reaches the error first, and must not exit before rank 0
+    # has said it, or torchrun stops rank 0 and nothing is said (CI, stop 53).
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(2)\n")
+    path = os.pathsep.join([str(late), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    res = torchrun(["-m", "ddp_kit.train", "--batch_size", "63", "--run_dir", str(tmp_path / "r")], nproc=2,
+                   env={"PYTHONPATH": path})
     assert res.returncode != 0
     ours = [line for line in res.stderr.splitlines() if line.startswith("ddp_kit: error:")]
     assert len(ours) == 1 and "world_size 2" in ours[0], res.stderr

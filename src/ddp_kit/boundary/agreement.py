@@ -12,6 +12,7 @@ from ..errors import UserError
 from ..reliability.recipe import config_hash
 from ..reliability.sync_checks import check_agreement, check_consistency, optimizer_steps, shapes_digest
 from ..version import __version__
+from . import rollback
 
 if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
     from .protocol import Boundary
@@ -75,12 +76,22 @@ def first_step_over(b: Boundary) -> None:
     b.tell({"event": "first_step", "step": b.steps.done})
 
 
-def compare_weights(b: Boundary, done: int) -> None:
-    """Every sync_check_every steps: the ranks' parameter and buffer checksums compared (sync_checks.py)."""
+def compare_weights(b: Boundary, done: int) -> bool:
+    """Every sync_check_every steps: the ranks' parameter and buffer checksums compared (sync_checks.py). True
+    when the ranks differed and every rank rolled back to an earlier step (sync_fix rollback: rollback.py)."""
     with b.collective("sync check"):
         b.nonfinite.check(b.ctx, b.checkpointer_if_open())  # NaN weights would read as divergence
         steps = optimizer_steps(b.named(torch.optim.Optimizer))
-        for i, model in enumerate(b.models):
-            warning = check_consistency(b.ctx, model, done, b.policy.sync_fix, extra=steps if i == 0 else [])
-            if warning:
-                b.say(f"ddp_kit: warning: {warning}")
+        fix = b.policy.sync_fix
+        # Strategy ft keeps replica groups in step: one group rolling back alone would leave them. It stops as error does.
+        if fix == "rollback" and not any(hook.across_groups for hook in b.hooks):
+            if rollback.check(b, done, steps):
+                return True  # at the restored step, which the ranks agree on (rollback.roll_back)
+        else:
+            for i, model in enumerate(b.models):
+                warning = check_consistency(b.ctx, model, done, "error" if fix == "rollback" else fix,
+                                            extra=steps if i == 0 else [])
+                if warning:
+                    b.say(f"ddp_kit: warning: {warning}")
+    b.steps.synced = done  # passed (or, sync_fix broadcast, made so)
+    return False

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dist.collectives import gather_object, rank0_verdict
 from ..dist.launch_token import launch_of
+from ..env.facts import host_name
 from ..errors import UserError
 from ..exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from ..reliability.verdicts import REPEATABLE, Verdict
@@ -58,7 +58,7 @@ def begin(b: Boundary, killed_before: tuple[int, str] | None = None) -> int:
     if b.rd is None:
         return 0
     path = b.rd.path / FILE
-    hosts = gather_object(b.ctx, socket.gethostname())
+    hosts = gather_object(b.ctx, host_name())
     number = 0
 
     def check() -> dict[str, Any] | None:

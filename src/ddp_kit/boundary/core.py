@@ -24,6 +24,7 @@ schedules; each concern is a module beside it (docs/architecture.md), and what a
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,7 +91,7 @@ class StepBoundary:
         self.records = MetricsRecords(ctx, policy)
         self.timer = self.records.timer
         self._ckpt: CheckpointBackend | None = None
-        self.stop_ahead: Callable[[], tuple[int, bool]] | None = None  # the next stop check, sent a step early (stopping.py)
+        self.stop_ahead: Callable[[], tuple[int, int]] | None = None  # the next stop check, sent a step early (stopping.py)
         self.watchdog = Watchdog(watch_store(ctx) if policy.hang_timeout_s > 0 else None,
                                  ctx.rank, ctx.world_size, progress, policy.hang_timeout_s, ctx.timeout_s, self.hang_dir,
                                  peer_timeout_s=policy.peer_timeout_s)
@@ -100,7 +101,8 @@ class StepBoundary:
 
     def start(self) -> StepBoundary:
         """Before any work: the run folder is checked and locked, the watchdog runs."""
-        self.resources.start(self.config)
+        # The health gate (a service, run below) checks ckpt_dir on every node: one that refuses rank 0 is its finding
+        self.resources.start(self.config, gate_checks_ckpt=self.policy.settings.get("health_check", "off") != "off")
         self.records.writer = self.resources.writer
         grace_period.check_at_start(self)
         for made in services.start(self, self.policy.settings):  # every service's hooks and tiers (services/)
@@ -220,10 +222,12 @@ class StepBoundary:
             self.steps.owed |= due
             self.steps.owed_check |= check
             due, check = set(), False
-        if check and self._stop_check():  # a timed checkpoint is due
-            due.add(DurableTier.name)
-        if pol.sync_check_every and done % pol.sync_check_every == 0:
-            agreement.compare_weights(self, done)
+        if check and (timed := self._stop_check()):  # a timed checkpoint is due
+            due.add(timed)
+        if pol.sync_check_every and done % pol.sync_check_every == 0 and agreement.compare_weights(self, done):
+            # Rolled back (sync_fix rollback): this step's saves and log record belong to the abandoned steps.
+            self.progress.enter("after step", self.steps.done)
+            return self.steps.done
         self._save_tiers(due)
         if pol.log_every and done % pol.log_every == 0:
             self.log()
@@ -243,8 +247,8 @@ class StepBoundary:
         due, check = set(self.steps.owed), self.steps.owed_check
         if due or check:
             self.steps.owed, self.steps.owed_check = set(), False
-            if check and self._stop_check(fresh=True):  # after the epoch's end (an eval): on what the ranks know now
-                due.add(DurableTier.name)
+            if check and (timed := self._stop_check(fresh=True)):  # after the epoch's end (an eval): on what the ranks know now
+                due.add(timed)
             self._save_tiers(due)
 
     def _save_tiers(self, due: set[str]) -> None:
@@ -252,7 +256,10 @@ class StepBoundary:
         tiers that are not durable (they would hold what it holds)."""
         durable = [t for t in self.tiers if t.name in due and t.durable]
         for tier in durable or [t for t in self.tiers if t.name in due]:
+            began = time.perf_counter()
             tier.save(self)
+            for hook in self.hooks:  # what the loop waited: an automatic interval's cost (services/cadence.py)
+                hook.saved(self, tier.name, time.perf_counter() - began)
         if durable:
             self._stop_check()  # a signal that came during the save is acted on now
 
@@ -292,12 +299,12 @@ class StepBoundary:
         if self.state and self.steps.saved != self.steps.done:
             saving.save(self, ckpt)
 
-    def _stop_check(self, fresh: bool = False) -> bool:
-        """Act on a stop signal any rank has seen (this never returns then); whether a timed checkpoint is due."""
+    def _stop_check(self, fresh: bool = False) -> str | None:
+        """Act on a stop signal any rank has seen (this never returns then); the tier a clock says is due."""
         signum, due = stopping.signalled(self, fresh)
         if signum:
             self.stop(signum)
-        return due
+        return stopping.due_tier(self, due)
 
     def stop(self, signum: int) -> NoReturn:
         """Checkpoint, requeue where the launcher can, and exit 75 (130 for Ctrl-C), all ranks together."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..options import AUTO
 from . import grace_period
 
 if TYPE_CHECKING:
@@ -21,9 +22,13 @@ class DurableTier:
     def __init__(self, b: Any):
         self.b = b
 
+    @property
+    def every(self) -> int | str:
+        return self.b.policy.ckpt_every  # type: ignore[no-any-return]
+
     def due(self, step: int) -> bool:
         every = self.b.policy.ckpt_every
-        return bool(every) and step % every == 0
+        return bool(every) and every != AUTO and step % every == 0  # auto: due by time (services/cadence.py)
 
     def save(self, b: Boundary) -> None:
         b.save()  # type: ignore[attr-defined]

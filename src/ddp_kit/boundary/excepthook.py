@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ..errors import UserError, report_user_error
+from ..errors import UserError, hold_for_rank0, report_user_error
 from ..exit_codes import EXIT_USER_ERROR
 
 if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
@@ -40,8 +39,7 @@ class Failures:
             self.previous(kind, err, tb)
             return
         report_user_error(err, self.rank)
-        if self.rank != 0 and not err.local:
-            time.sleep(1.0)  # rank 0 prints it; torchrun stops all ranks once one exits, so give rank 0 a moment
+        hold_for_rank0(err, self.rank)
         sys.exit(EXIT_USER_ERROR)
 
     def uninstall(self) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 from typing import TYPE_CHECKING
 
 from ..dist.failfast import posted_failure
+from ..env.facts import host_name
 from ..exit_codes import EXIT_USER_ERROR
 from ..reliability.failures import handle
 from ..reliability.verdicts import deterministic, of_failure, repeats
@@ -27,7 +27,7 @@ def fail(b: Boundary, err: BaseException) -> int:
     found: list[str] = []
     code = handle(err, b.ctx, step, b.progress.phase, b.hang_dir,
                   hang_declared=b.watchdog.aborting.is_set(), notes=b.cuda_notes, found=found)
-    verdict = of_failure(code, err, posted_failure(b.ctx.store), b.ctx.rank, socket.gethostname(), step)
+    verdict = of_failure(code, err, posted_failure(b.ctx.store), b.ctx.rank, host_name(), step)
     if found and verdict.name == "lost_peer":  # the peer that vanished, named, is the cause
         verdict = dataclasses.replace(verdict, cause=found[0].removeprefix("ddp_kit: "))
     if repeats(verdict, b.previous_end):

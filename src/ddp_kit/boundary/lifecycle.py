@@ -25,11 +25,12 @@ class RunResources:
         self.run_id: str | None = None  # the run's identity (run_folder.run_identity), rank 0's on every rank
         self._stack = ExitStack()
 
-    def start(self, config: dict[str, Any] | None) -> None:
-        """Before any work: the run folder is checked and locked, the watchdog runs."""
+    def start(self, config: dict[str, Any] | None, gate_checks_ckpt: bool = False) -> None:
+        """Before any work: the run folder is checked and locked, the watchdog runs (`gate_checks_ckpt`:
+        run_dir_checks.prepare_run_dir)."""
         stack, ctx = self._stack, self.ctx
         if self.rd is not None:
-            lock, self.run_id = prepare_run_dir(ctx, self.rd)
+            lock, self.run_id = prepare_run_dir(ctx, self.rd, gate_checks_ckpt)
             if lock is not None:
                 stack.callback(lock.release)
             self.writer = RunWriter(self.rd, ctx.is_main)

@@ -13,6 +13,7 @@ from typing import Any
 from .. import service_registry as services
 from ..checkpoint.backend import scheme_of
 from ..errors import UserError
+from ..options import auto_or, every_or_auto
 
 
 @dataclass(frozen=True, init=False)
@@ -24,7 +25,7 @@ class Policy:
     # (s3://bucket/prefix, gs://, az://, file:///path); run_dir then stays local to each node
     ckpt_dir: str | None = None
     resume: str = "auto"  # auto: the newest valid checkpoint in run_dir; never; or a step_<N> folder
-    ckpt_every: int = 0  # optimizer steps between checkpoints (0: by time only)
+    ckpt_every: int | str = 0  # optimizer steps between checkpoints (0: by time only; "auto": services/cadence.py)
     ckpt_every_s: float = 1800.0  # seconds between checkpoints (0: by steps only); checked every preempt_check_every
     keep_last: int = 3  # checkpoints kept (0: all)
     async_ckpt: bool = False  # write checkpoints in a background thread
@@ -34,7 +35,9 @@ class Policy:
     collective_timeout_s: float = 300.0  # every collective's timeout after step 1
     preempt_check_every: int = 10  # steps between the ranks' agreement on a stop signal
     sync_check_every: int = 100  # steps between cross-rank checksum comparisons (0: off)
-    sync_fix: str = "error"  # on divergence: error, or broadcast rank 0's weights
+    # on divergence: rollback (3+ ranks: the majority names the corrupt rank, every rank rolls back to the last
+    # checkpoint the ranks agreed on; 2 ranks: as error), error, or broadcast rank 0's weights (docs/sdc.md)
+    sync_fix: str = "rollback"
     log_every: int = 50  # steps between metrics.jsonl records (0: off)
     rank_metrics: bool = True  # each record holds every rank's time split; stragglers are named
     rank_records_max: int = 64  # above this world size a record holds median/max/argmax per field instead
@@ -63,6 +66,11 @@ class Policy:
             o.name for o in services.options())
 
     def _check(self) -> None:
+        object.__setattr__(self, "ckpt_every", auto_or(self.ckpt_every))  # "Auto" is "auto" (options.auto_or)
+        every_or_auto("ckpt_every")(self.ckpt_every)
+        if self.sync_fix not in ("rollback", "error", "broadcast"):
+            raise UserError(f"sync_fix {self.sync_fix!r} is not one of rollback, error, broadcast",
+                            "pass sync_fix=\"rollback\" (the default), \"error\" or \"broadcast\"")
         if self.run_dir is not None and scheme_of(str(self.run_dir)):
             raise UserError(f"run_dir {str(self.run_dir)!r} is a URL; run_dir is a local folder (metrics.jsonl, "
                             f"summary.json, hang reports), and checkpoints go to a URL through ckpt_dir",

@@ -47,7 +47,7 @@ class Boundary(HookView, Protocol):
     nonfinite: NonFiniteLoss
     records: Any  # records.MetricsRecords (a part: it names this protocol)
     timer: Any
-    stop_ahead: Callable[[], tuple[int, bool]] | None
+    stop_ahead: Callable[[], tuple[int, int]] | None
     watchdog: Watchdog
     resources: Any  # lifecycle.RunResources
 

@@ -14,7 +14,7 @@ from ..dist.collectives import all_reduce_sum, gather_object
 from ..parallel.digest import param_sha256
 from ..parallel.fsdp import memory_bytes
 from ..reliability.metrics import GpuSpans, StepTimer, StragglerWatch, gather_ranks, summarize_ranks
-from ..reliability.numerics import NonFiniteLoss
+from ..reliability.numerics import LossBuffer, NonFiniteLoss
 from ..reliability.recipe import config_hash, not_recipe
 from ..version import __version__
 from .forward_split import ForwardSplit
@@ -42,24 +42,27 @@ class MetricsRecords:
         self.last_eval: dict[str, Any] = {}  # the last record logged with event "eval" (run.log_event)
         self.last_train: dict[str, Any] = {}
         self.started = time.perf_counter()
-        self._window_loss: torch.Tensor | float | None = None
+        self._window_loss: float | None = None  # losses read on the host
         self._window_n = 0
+        # losses on a device: one slot a log window's step, read at the log event (no host sync a step)
+        self._device_losses: LossBuffer | None = None
         self.first_step = (0.0, 0)  # (when, at which step) the first step ended: the ledger's windows start there
         self.last_log = (time.perf_counter(), 0)  # (when, at which step) the last record was made
 
     def take_loss(self, loss: torch.Tensor | float, done: int, nonfinite: NonFiniteLoss) -> None:
         """Step `done`'s loss into the window and the non-finite watch."""
         if isinstance(loss, torch.Tensor) and (loss.device.type != "cpu" or loss.numel() != 1):
-            on_device = loss.detach().float()  # stays on the device: folded there, read only at log events
-            self.add_loss(on_device)
-            nonfinite.update(on_device, done)
+            if self._device_losses is None:  # a window of log_every slots; a fold on the device when it overflows
+                self._device_losses = LossBuffer(min(self.policy.log_every or 256, 1024))
+                nonfinite.watch(self._device_losses)
+            self._device_losses.put(loss, done)  # one copy kernel; summed and checked when read at a log event
         else:  # on the host a read waits for nothing: plain floats, no tensor ops per step
             on_host = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             self.add_loss(on_host)
             nonfinite.update_host(on_host, done)
 
-    def add_loss(self, value: torch.Tensor | float) -> None:
-        """A step's loss, folded into a device scalar (never read on the spot), or a float read on the host."""
+    def add_loss(self, value: float) -> None:
+        """A step's loss, read on the host."""
         self._window_loss = value if self._window_loss is None else self._window_loss + value
         self._window_n += 1
 
@@ -78,8 +81,10 @@ class MetricsRecords:
             now = time.perf_counter()
             record: dict[str, Any] = {"event": "train", "step": done, "epoch": b.epoch}
             ranks = None
-            if self._window_loss is not None:
-                (loss,) = all_reduce_sum(ctx, [float(self._window_loss) / max(self._window_n, 1)])
+            total, n = self._device_losses.take() if self._device_losses is not None else (0.0, 0)
+            if self._window_loss is not None or n:  # after nonfinite.check: the device window may be taken
+                total, n = total + (self._window_loss or 0.0), n + self._window_n
+                (loss,) = all_reduce_sum(ctx, [total / max(n, 1)])
                 record["loss"] = loss / ctx.world_size
             if b.optimizers:
                 record["lr"] = b.optimizers[0].param_groups[0]["lr"]

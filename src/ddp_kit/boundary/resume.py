@@ -34,7 +34,10 @@ def resume(b: Boundary, objects: dict[str, Any], check: Callable[[dict[str, Any]
     warn = lambda msg: b.say(f"ddp_kit: warning: {msg}")
     durable_tier, others = b.tiers[0], [t for t in b.tiers[1:]] if not live and b.rd is not None else []
     source, found, durable = _find(b, ckpt, durable_tier, others, warn) if not live else (durable_tier, None, None)
-    meta = _restore(b, source, found, check) if found is not None else {}
+    meta = restore(b, source, found, check) if found is not None else {}
+    if found is not None:
+        b.steps.resumed_from, b.steps.resumed_path = b.steps.done, found.path
+    b.steps.synced = b.steps.done  # one state on every rank: a checkpoint's, a peer's, or the start
     if source is not durable_tier:  # not durable until saved durably: the end, a stop or the next ckpt_every saves it
         b.steps.saved = durable if durable is not None else -1
     for tier in others:
@@ -98,8 +101,10 @@ def _durable_latest(b: Boundary, ckpt: Any) -> tuple[bool, int | None]:
     return bool(known), step
 
 
-def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict[str, Any]], str | None] | None) -> dict[str, Any]:
-    """Load `found` into every registered object; returns its meta."""
+def restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict[str, Any]], str | None] | None,
+            settle: bool = True, say: bool = True) -> dict[str, Any]:
+    """Load `found` (of tier `ckpt`) into every registered object and this rank's RNG; returns its meta. Also a
+    rollback's (rollback.py): `settle` False there (DDP's buckets are rebuilt already), `say` False (it says where)."""
     loaded = ckpt.load(found)
     shared, own = loaded[0], loaded[1]
     meta: dict[str, Any] = loaded[2]
@@ -125,10 +130,9 @@ def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict[str, Any]
             b.strategy.load_state_dicts(models, sharded_optimizers, ckpt.sharded_keys(found),
                                         lambda template: ckpt.load_sharded(found, template))
     b.steps.done = b.steps.saved = int(shared["loop"]["step"])
-    b.steps.resumed_from, b.steps.resumed_path = b.steps.done, found.path
     b.records.restart_window(b.steps.done)  # samples/s counts this process's steps only
     b.progress.enter("startup", b.steps.done)
-    if b.ctx.world_size > 1 and b.loaders:
+    if settle and b.ctx.world_size > 1 and b.loaders:
         for model in b.models:  # e.g. ddp.settle_ddp_buckets: bit-identical resume needs it
             b.strategy.settle(model, b.loaders[0].sample_batch(), b.ctx.device)
     if own is not None and meta.get("world_size") == b.ctx.world_size:
@@ -140,8 +144,9 @@ def _restore(b: Boundary, ckpt: Any, found: Any, check: Callable[[dict[str, Any]
     if meta.get("world_size") != b.ctx.world_size:
         extra.append(f"written by {meta.get('world_size')} rank(s), resumed on {b.ctx.world_size}: "
                      f"data order continues, per-rank RNG streams are reseeded")
-    b.say(f"ddp_kit: resumed from {found.path} (step {b.steps.done}, epoch {b.epoch})"
-          + ("; " + "; ".join(extra) if extra else ""))
+    if say or extra:
+        b.say(f"ddp_kit: resumed from {found.path} (step {b.steps.done}, epoch {b.epoch})"
+              + ("; " + "; ".join(extra) if extra else ""))
     for note in notes:
         b.say(f"ddp_kit: warning: {note}")
     return meta

@@ -10,6 +10,7 @@ import torch
 from ..checkpoint.backend import CheckpointBackend
 from ..checkpoint.checkpointer import rng_state
 from ..checkpoint.memory_tier import MemoryTier
+from ..checkpoint.spared import AGREED
 from ..parallel.ddp import sync_ddp_buffers
 from ..reliability.recipe import config_hash, not_recipe
 from ..version import __version__
@@ -24,9 +25,16 @@ def save(b: Boundary, ckpt: CheckpointBackend) -> None:
     """Checkpoint everything registered at this step into `ckpt` (collective). Called by the core
     only, once the boundary owed by the last step has run."""
     b.nonfinite.check(b.ctx, ckpt)  # never save a run whose loss went NaN/inf
+    for hook in b.hooks:  # e.g. services/keep_best.py: its one decision goes into this step's meta.json
+        hook.saving(b)
     for model in b.models:  # model.pt holds rank 0's buffers: from here every rank has those too
         sync_ddp_buffers(model)
     shared, sharded, meta = snapshot(b)
+    # prune spares the newest step at or before the last passed sync check (or rollback): where a rollback goes.
+    # Not where the last agreement is this attempt's resume: keep_last then holds as asked (a run that ends
+    # before its next check kept its resumed step forever, and the clean end's own check comes after it).
+    if b.policy.sync_fix == "rollback" and b.policy.sync_check_every and b.steps.synced != b.steps.resumed_from:
+        meta[AGREED] = b.steps.synced
     phase = b.progress.phase
     b.progress.enter("checkpoint")
     ckpt.save(b.steps.done, shared, {"rng": rng_state()}, meta, sharded=sharded)

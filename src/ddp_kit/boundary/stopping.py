@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from ..dist.collectives import barrier
+from ..options import AUTO
 from ..reliability.preemption import agree_stop, agree_stop_later, exit_code, requeue, requeues
 
 if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (protocol.py), not the core
@@ -16,9 +17,9 @@ if TYPE_CHECKING:  # the core imports its parts: they name what they use of it (
 
 
 
-def signalled(b: Boundary, fresh: bool = False) -> tuple[int, bool]:
-    """The ranks agree on any stop signal so far and on whether a timed checkpoint is due (rank 0's
-    clock): (the signal to stop on, 0 for none; due). Collective, every preempt_check_every steps.
+def signalled(b: Boundary, fresh: bool = False) -> tuple[int, int]:
+    """The ranks agree on any stop signal so far and on which timed checkpoint is due (rank 0's
+    clocks): (the signal to stop on, 0 for none; the due tier's level, 0 for none: see _due). Collective, every preempt_check_every steps.
     What start_ahead sent is read here; without it (the first check, one at world size 1, a second
     one at the same step, as after a save), or `fresh` (a check an epoch's last step owed, made after
     the epoch's end work: a signal during an eval counts now), the ranks agree on the spot."""
@@ -40,9 +41,22 @@ def start_ahead(b: Boundary) -> None:
         b.stop_ahead = agree_stop_later(b.ctx, b.flag, _due(b))
 
 
-def _due(b: Boundary) -> bool:
-    return (b.ctx.is_main and bool(b.state) and b.policy.ckpt_every_s > 0 and b.rd is not None
-            and time.monotonic() - b.steps.last_save_t >= b.policy.ckpt_every_s)
+def _due(b: Boundary) -> int:
+    """The tier a clock says is due on rank 0, as a level the all-reduce's MAX keeps: len(tiers) - its index
+    (the durable tier, first, ranks highest: its save supersedes the others' at one step); 0: none. The
+    clocks: ckpt_every_s for the durable tier, and any hook's (services/cadence.py: the auto intervals)."""
+    if not (b.ctx.is_main and b.state and b.rd is not None):
+        return 0
+    due = {hook_due for hook in b.hooks for hook_due in hook.timed_due(b)}
+    if (b.policy.ckpt_every_s > 0 and b.policy.ckpt_every != AUTO
+            and time.monotonic() - b.steps.last_save_t >= b.policy.ckpt_every_s):
+        due.add(b.tiers[0].name)
+    return next((len(b.tiers) - i for i, t in enumerate(b.tiers) if t.name in due), 0)
+
+
+def due_tier(b: Boundary, level: int) -> str | None:
+    """The tier a stop check's level names (see _due)."""
+    return b.tiers[len(b.tiers) - level].name if 0 < level <= len(b.tiers) else None
 
 
 def leave(b: Boundary, signum: int, saved: bool, took: float) -> NoReturn:
@@ -51,7 +65,7 @@ def leave(b: Boundary, signum: int, saved: bool, took: float) -> NoReturn:
     # Replica groups (strategy ft): every group has saved before anyone requeues (requeueing ends the
     # job), and one group requeues it.
     for hook in b.hooks:
-        hook.agree_stop(b, signum, False)
+        hook.agree_stop(b, signum, 0)
     wants_requeue = requeues(signum, b.ctx.env) and all([hook.may_requeue(b) for hook in b.hooks])
     code = exit_code(signum)
     if b.ctx.is_main:

@@ -36,7 +36,8 @@ What every backend must guarantee (the readers rely on nothing else):
 - **Opening is local.** A factory does no collective: one rank may open a backend alone (to read
   `latest`). Checks that need every rank (an object store's probe) run at the first `find` or `save`.
 - **Nothing committed is lost by accident.** `prune` never removes the newest committed step and
-  removes only leftovers and steps beyond `keep_last`; `archive` moves steps aside, never deletes.
+  removes only leftovers and steps beyond `keep_last`, never the kept-best ones the newest step's meta
+  names (steps.KEEP_BEST, services/keep_best.py); `archive` moves steps aside, never deletes.
 """
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ class CheckpointBackend(Protocol):
         """Whether `found` is one of this location's steps (a resume from elsewhere starts a new lineage)."""
 
     def prune(self, newest: int) -> None:
-        """Keep the newest `keep_last` steps up to `newest` (itself always), and drop a killed save's leftovers."""
+        """Keep the newest `keep_last` steps up to `newest` (itself always) and the kept-best ones its meta
+        names, and drop a killed save's leftovers."""
 
     def archive(self, keep_upto: int | None, into: str | Path) -> list[int]:
         """Move every step above `keep_upto` (all when None) to `into`/<time>/ on the same storage, with

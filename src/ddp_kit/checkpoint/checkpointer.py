@@ -340,7 +340,7 @@ class Checkpointer:
 
     def prune(self, newest: int) -> None:
         """Drop a killed save's leftovers and all but the newest `keep_last` (the one just committed is
-        always kept): see steps.prune. A folder's steps are renamed out of the way at once and deleted
+        always kept) and the kept-best ones its meta names: see steps.prune. A folder's steps are renamed out of the way at once and deleted
         in the background (FolderStorage.remove)."""
         steps.prune(self.storage, newest, self.keep_last)
 

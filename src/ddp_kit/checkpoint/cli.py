@@ -107,11 +107,24 @@ def list_(run_dir: str) -> None:
     if not rows:
         raise UserError(f"no checkpoints under {storage.location!r}",
                         f"pass the {'ckpt_dir' if scheme_of(arg) else 'run_dir'} of a run that saved some")
+    best = _best_marks(storage, rows, latest)
     print(f"{'step':>8}  {'status':<7} {'world':>5}  {'size':>10}  {'url' if scheme_of(arg) else 'path'}")
     for step, at, reason, size, world in rows:
-        mark = " (latest)" if step == latest else ""
+        mark = (" (latest)" if step == latest else "") + (f"  {best[step]}" if step in best else "")
         print(f"{step:>8}  {'valid' if reason is None else 'INVALID':<7} {world if reason is None else '?':>5}  "
               f"{size:>10}  {at}{mark}" + (f"  -- {reason}" if reason else ""))
+
+
+def _best_marks(storage: Storage, rows: list[tuple[int, str, str | None, int, Any]], latest: int | None) -> dict[int, str]:
+    """{step: "best #1 eval.loss=0.1234"} for the kept-best steps (services/keep_best.py) that the newest valid
+    step up to `latest` names in its meta, as the next prune reads them; {} where it names none."""
+    newest = next((r[0] for r in rows if r[2] is None and (latest is None or r[0] <= latest)), None)
+    try:
+        meta = steps.read_json(storage, f"{layout.step_name(newest)}/{layout.META}") if newest is not None else {}
+    except (OSError, ValueError):
+        return {}
+    monitor, best = steps.kept_best(meta)
+    return {s: f"best #{i} {monitor}={v:.4f}" for i, (s, v) in enumerate(best, 1)}
 
 
 def _format(format: str | None, dest: Path) -> str:

@@ -10,7 +10,8 @@ The commit of step N, once every file it holds is written and durable under its 
     1. `latest` names step_N              (one atomic write)
     2. the manifest, under the staging name (on a storage without rename: the commit itself)
     3. with rename: a previous step_N moved aside, the staged folder renamed to step_N (the commit)
-    4. prune: a killed save's leftovers, and committed steps beyond keep_last
+    4. prune: a killed save's leftovers, and committed steps beyond keep_last (but for those the newest
+       step's meta names: the kept-best ones, and the newest at or before the last agreed step; spared.py)
 
 A kill between any two writes leaves every previously committed step as it was and never a step
 that resume takes while incomplete: before 1 nothing vouches for the new files; between 1 and the
@@ -34,6 +35,9 @@ from typing import Any
 from ..errors import UserError
 from . import layout
 from .durable import sha256_of
+from .spared import KEEP_BEST as KEEP_BEST  # where keep_best and the CLI have always found them
+from .spared import kept_best as kept_best
+from .spared import spared
 from .storage import Storage
 
 DOWNLOADS = 8  # objects fetched at once
@@ -376,7 +380,9 @@ def commit(storage: Storage, step: int, manifest: dict[str, Any], attempt: Attem
 def prune(storage: Storage, newest: int, keep_last: int) -> list[int]:
     """Remove a killed or failed save's leftovers (.tmp_ and .trash_ folders, step prefixes without a
     manifest, objects a manifest does not name, startup probes), and the committed steps up to
-    `newest` beyond the newest `keep_last` (0: keep all). Nothing above `newest` is touched: a
+    `newest` beyond the newest `keep_last` (0: keep all) that the newest one's meta does not spare
+    (spared.py: the kept-best ones, the newest at or before the last agreed step; its meta unreadable:
+    none this time). Nothing above `newest` is touched: a
     complete step there is an abandoned run's (archive's), and a prefix without a manifest there may
     be an upload in flight. Returns the committed steps removed."""
     objs = objects(storage)
@@ -385,6 +391,9 @@ def prune(storage: Storage, newest: int, keep_last: int) -> list[int]:
     orphans = [s for s in steps if s not in done and s <= newest]
     kept = sorted((s for s in done if s <= newest), reverse=True)
     doomed = kept[keep_last:] if keep_last >= 1 else []
+    if doomed:  # read only where a step would go: one small read of the newest meta.json, keep_best on or off
+        spare = _spared(storage, kept[0], kept)
+        doomed = [s for s in doomed if spare is not None and s not in spare]
     leftovers = sorted({rel.split("/", 1)[0] for rel in objs if "/" in rel and
                         rel.startswith((layout.TRASH_PREFIX, layout.TMP_PREFIX + layout.STEP_PREFIX))})
     storage.remove(leftovers + [layout.step_name(s) for s in orphans + doomed])
@@ -397,6 +406,14 @@ def prune(storage: Storage, newest: int, keep_last: int) -> list[int]:
     if extras:
         storage.remove(extras)
     return doomed
+
+
+def _spared(storage: Storage, newest: int, committed: list[int]) -> set[int] | None:
+    """The steps step `newest`'s meta names to keep beyond keep_last (spared.py); None when it cannot be read."""
+    try:
+        return spared(read_json(storage, f"{layout.step_name(newest)}/{layout.META}"), committed)
+    except (OSError, ValueError):
+        return None
 
 
 def archive_abandoned(storage: Storage, keep_upto: int | None, into: Storage) -> list[int]:

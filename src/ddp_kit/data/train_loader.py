@@ -126,6 +126,9 @@ class TrainLoader:
                  resident: torch.device | None = None):
         size = check_sized(dataset)
         num_workers = fit_workers(dataset, num_workers, size // global_batch * grad_accum)
+        # Workers' batches are pinned by the DataLoader's own thread, off the step. Without workers the pin
+        # would run on the step, a second host copy before the device copy: the batch is copied as it is.
+        pin_in_loader = pin_memory and num_workers > 0
         self._tensors: list[torch.Tensor] | None = None
         if resident is not None:
             if not isinstance(dataset, torch.utils.data.TensorDataset) or num_workers or collate_fn not in (None, default_collate):
@@ -155,7 +158,7 @@ class TrainLoader:
         # the global RNG at each iter(), which would shift the main stream, and a resume's extra iter() more so.
         batches = _SeededBatches(self.sampler, self.micro_batch, tag=num_workers > 0)
         self._loader = WorkerLoader(dataset, batch_sampler=batches,
-                                 num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
+                                 num_workers=num_workers, pin_memory=pin_in_loader, collate_fn=collate_fn,
                                  persistent_workers=num_workers > 0, worker_init_fn=worker_init(worker_init_fn),
                                  generator=torch.Generator().manual_seed(mix_seed(seed, rank)))
         self.steps_per_epoch = size // global_batch

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from ..env import poll_period
+from ..env.facts import host_name
 from ..errors import UserError
 from ..exit_codes import EXIT_PEER_FAILED
 from .rounds import round_prefix
@@ -44,7 +45,7 @@ def post(store, rank: int, step: int, phase: str, err: BaseException) -> dict | 
     (this one, or the earlier one). Never raises: a broken store must not hide the error."""
     if store is None:
         return None
-    mine = json.dumps({"rank": rank, "host": socket.gethostname(), "step": step, "phase": phase,
+    mine = json.dumps({"rank": rank, "host": host_name(), "step": step, "phase": phase,
                        "error": _describe(err), "verdict": isinstance(err, UserError) and err.verdict})
     try:
         return json.loads(store.compare_set(FAILED_KEY, "", mine) or mine)

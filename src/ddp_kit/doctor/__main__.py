@@ -1,6 +1,8 @@
 """python -m ddp_kit.doctor [--json] [--comm] [--memory] [--amp bf16] [--run_dir DIR]
+python -m ddp_kit.doctor --preflight [--mode quick|thorough] [--run_dir DIR] [--ckpt_dir DIR|URL] [--shm_mb MB] [--json]
+                                     [--exit_unhealthy 2]
 
-Exit code: 0 all ok, 1 warnings, 2 failures.
+Exit code: 0 all ok, 1 warnings, 2 failures (--preflight: 0 healthy, --exit_unhealthy (2) a host failed a check).
 """
 from __future__ import annotations
 
@@ -37,20 +39,35 @@ def _summary(facts: dict) -> list[str]:
 
 
 def main(json_out: bool = False, comm: bool = False, memory: bool = False, amp: str | None = None,
-         run_dir: str = ".", comm_max_mb: float | None = None, **kwargs) -> None:
+         run_dir: str | None = None, comm_max_mb: float | None = None, preflight: bool = False, mode: str = "quick",
+         ckpt_dir: str | None = None, shm_mb: float | None = None, exit_unhealthy: int = 2, **kwargs) -> None:
     if "json" in kwargs:  # `--json` is the spelling users type
         json_out = bool(kwargs.pop("json"))
     if kwargs.pop("help", False) or kwargs.pop("h", False):
         print("python -m ddp_kit.doctor [--json] [--comm] [--memory] [--amp bf16|fp16] [--run_dir DIR] [--comm_max_mb MB]\n"
               "Diagnoses PyTorch + CUDA + NCCL on this machine; under torchrun, --comm times all_reduce between the "
-              "ranks and --memory what each GPU can allocate.")
+              "ranks and --memory what each GPU can allocate.\n"
+              "python -m ddp_kit.doctor --preflight [--mode quick|thorough] [--run_dir DIR] [--ckpt_dir DIR|URL] [--shm_mb MB] "
+              "[--json] [--exit_unhealthy 2]\n"
+              "The pre-flight health gate alone (one node, or every node under torchrun/srun): storage, /dev/shm, GPUs, "
+              "clocks, links between hosts; exit 0 healthy, 2 a host failed a check.")
         return
     if kwargs:
         print(f"ddp_kit: error: unknown doctor option(s) {', '.join('--' + k for k in kwargs)} "
               f"(hint: use --json, --comm, --memory, --amp bf16, --run_dir DIR)", file=sys.stderr)
         sys.exit(2)
+    if preflight:
+        from .preflight import preflight as gate
+        from .preflight import show
+
+        with _stdout_to_stderr() if json_out else contextlib.nullcontext():
+            report, main_rank, code = gate(mode, run_dir, ckpt_dir, shm_mb)
+        if report is not None and main_rank:
+            show(report, json_out)
+        # 2 is "do not retry" to the Kubernetes templates' policies: an init container asks for 1 (retryable)
+        sys.exit(int(exit_unhealthy) if report is not None and report.failed else code)
     with _stdout_to_stderr() if json_out else contextlib.nullcontext():
-        facts = gather(run_dir)
+        facts = gather(run_dir or ".")
         findings = diagnose(facts, amp)
         active: dict = {}
         if comm or memory:

@@ -22,7 +22,22 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from . import env_vars, grace, kubeflow_trainer, pod, pytorchjob, ray_train, replicas, single, slurm, torchrun, volcano
+from . import (
+    env_vars,
+    grace,
+    kubeflow_trainer,
+    lsf,
+    mpi,
+    pbs,
+    pod,
+    pytorchjob,
+    ray_train,
+    replicas,
+    single,
+    slurm,
+    torchrun,
+    volcano,
+)
 from .base import DistEnv, check_place
 from .facts import Facts, facts_of
 from .polling import STORE_OPS_PER_S, poll_period
@@ -34,19 +49,22 @@ from .slurm import expand_nodelist, requeue_target, slurm_port
 # - torchrun before everything else: it can run inside a SLURM job (one srun task per node, or the
 #   batch script) and inside an operator's pod, and then its variables describe the workers while
 #   the scheduler's or the operator's describe the one process that started torchrun.
+# - jsrun (LSF) and the MPI launchers next: they start every rank themselves, also inside an operator's
+#   pod or a SLURM allocation (whose srun then started mpirun's daemons, not the ranks); jsrun sets Open
+#   MPI's variables too, so lsf before mpi. Both step aside where torch's RANK was set inside the task.
 # - The operators (Trainer v2, Volcano, PyTorchJob) before the hand-set env:// variables: they set
 #   exactly those variables, but one process per pod, which the env:// reading would put on one node.
 #   Volcano before PyTorchJob: its pytorch plugin sets PyTorchJob's four variables in a pod too.
 # - Hand-set env:// variables before SLURM, for torchrun's reason (a script, or submitit, may start
 #   or describe its ranks inside an allocation).
 # - `single` last: it always answers.
-LAUNCHERS = (ray_train, torchrun, kubeflow_trainer, volcano, pytorchjob, env_vars, slurm, single)
+LAUNCHERS = (ray_train, torchrun, lsf, mpi, kubeflow_trainer, volcano, pytorchjob, env_vars, slurm, single)
 
-# What may surround any launcher, each adding its facts (`around`): the SLURM allocation, the
-# Kubernetes operator that made the pod (the named operators before the plain pod, which names only
-# what none of them named), the grace period the templates state, and the replica group of a
-# fault-tolerant launch.
-SCHEDULERS = (slurm, kubeflow_trainer, volcano, pytorchjob, pod, grace, replicas)
+# What may surround any launcher, each adding its facts (`around`): the SLURM allocation, the LSF and
+# PBS jobs (after SLURM, whose step clears the requeue outside its own jobs), the Kubernetes operator
+# that made the pod (the named operators before the plain pod, which names only what none of them
+# named), the grace period the templates state, and the replica group of a fault-tolerant launch.
+SCHEDULERS = (slurm, lsf, pbs, kubeflow_trainer, volcano, pytorchjob, pod, grace, replicas)
 
 _BY_NAME = {launcher.NAME: launcher for launcher in LAUNCHERS}
 

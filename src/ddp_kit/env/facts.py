@@ -37,6 +37,16 @@ class Facts(Mapping[str, str]):
         return len(self.environ)
 
 
+def host_name(environ: Mapping[str, str] | None = None) -> str:
+    """This host as its scheduler names it: SLURM's NodeName (SLURMD_NODENAME, what ExcNodeList and
+    --exclude take) where SLURM runs the job, else the host name. NodeName may differ from the host name
+    (node1 beside node1.cluster, a cloud instance's name, two nodes of one machine): every record that
+    names a host (the ledger's start and end lines, a failure's verdict, the health gate) uses this one
+    name, so that the ledger's memory matches the hosts the gate sees."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def facts_of(environ: Mapping[str, str] | None = None) -> Facts:
     """`environ` as Facts: a Facts as it is, a plain mapping with this host's name and files, None
     as os.environ with them."""

@@ -52,17 +52,17 @@ class FSDPStrategy(Strategy):
     def check_options(self, *, sync_bn: bool, amp: str | None = None, cpu_offload: bool = False,
                       device: torch.device | None = None, ddp: dict | None = None) -> None:
         if sync_bn:
-            raise UserError("sync_bn does not combine with strategy fsdp (SyncBatchNorm is a DDP-era layer; FSDP leaves "
+            raise UserError(f"sync_bn does not combine with strategy {self.name} (SyncBatchNorm is a DDP-era layer; FSDP leaves "
                             "BatchNorm per rank)", "drop sync_bn, or use strategy ddp")
         if amp == "fp16":
-            raise UserError("amp=fp16 does not combine with strategy fsdp here (its GradScaler does not handle sharded "
+            raise UserError(f"amp=fp16 does not combine with strategy {self.name} here (its GradScaler does not handle sharded "
                             "gradients)", "use amp bf16 (FSDP's MixedPrecisionPolicy), or strategy ddp")
         if cpu_offload and device is not None and device.type != "cuda":
-            raise UserError("fsdp cpu_offload moves parameters and optimizer state from the GPU to host memory; this run "
+            raise UserError(f"{self.name} cpu_offload moves parameters and optimizer state from the GPU to host memory; this run "
                             "is on cpu, where they already are", "drop cpu_offload on CPU")
         set_ddp = {k for k, v in (ddp or {}).items() if v not in (None, False)}  # DDP options given a value
         if set_ddp:
-            raise UserError(f"DDP options {sorted(set_ddp)} do not apply to strategy fsdp",
+            raise UserError(f"DDP options {sorted(set_ddp)} do not apply to strategy {self.name}",
                             "drop them, or use strategy ddp")
 
     def check_config(self, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
@@ -75,7 +75,7 @@ class FSDPStrategy(Strategy):
                             f"do{'es' if one else ''} not combine with --strategy {self.name}",
                             f"drop it, or use --strategy {other.name}")
         if values["amp"] == "fp16":
-            raise UserError("--amp fp16 does not combine with --strategy fsdp (its GradScaler does not handle sharded "
+            raise UserError(f"--amp fp16 does not combine with --strategy {self.name} (its GradScaler does not handle sharded "
                             "gradients)", "use --amp bf16 (FSDP's MixedPrecisionPolicy), or --strategy ddp")
 
     def wrap(self, model: nn.Module, ctx: Any, *, amp: str = "off", fsdp: dict[str, Any] | None = None,
@@ -182,8 +182,9 @@ def _units(model: nn.Module, blocks: Callable[[nn.Module], bool] | Iterable[str]
 
 def shard(model: nn.Module, device: torch.device, world_size: int, *, amp: str = "off", cpu_offload: bool = False,
           reshard_after_forward: bool = True,
-          blocks: Callable[[nn.Module], bool] | Iterable[str] | None = None) -> nn.Module:
-    """`fully_shard` each block, then the root, over one mesh of every rank (the process group must exist).
+          blocks: Callable[[nn.Module], bool] | Iterable[str] | None = None, mesh: Any = None) -> nn.Module:
+    """`fully_shard` each block, then the root, over one mesh of every rank (the process group must exist),
+    or over `mesh` where given (a 2-D mesh of replicas x shards: HSDP, hsdp.py).
 
     bf16: parameters are gathered and computed in bf16, gradients reduced in fp32, the sharded
     master weights and optimizer state stay fp32 (FSDP's MixedPrecisionPolicy). `cpu_offload` keeps
@@ -193,7 +194,8 @@ def shard(model: nn.Module, device: torch.device, world_size: int, *, amp: str =
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (world_size,))
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                                "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     if amp == "bf16":

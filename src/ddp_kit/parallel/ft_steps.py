@@ -232,7 +232,7 @@ class FtHooks(StepHooks):
                   f"(replica group {r.group}'s checksums are not every group's): the live recovery did not bring "
                   f"the same weights; stop the job and resume it from its last checkpoint")
 
-    def agree_stop(self, b: Boundary, signum: int, due: bool) -> tuple[int, bool]:
+    def agree_stop(self, b: Boundary, signum: int, due: int) -> tuple[int, int]:
         """A stop signal seen by any group stops every group after this same step, and a timed checkpoint
         due in any group is taken by all (each group's clock is its own: a save in one group alone would
         leave the others waiting in its next exchange). The same exchange says whether a group recovered
@@ -243,7 +243,7 @@ class FtHooks(StepHooks):
         self.check_next = False
         if recovered:
             self._check_weights(b)
-        return STOP_PRIORITY[prio], bool(due_any)
+        return STOP_PRIORITY[prio], int(due_any)
 
     def may_requeue(self, b: Boundary) -> bool:
         return bool(self.replica.leads())  # one group requeues the job

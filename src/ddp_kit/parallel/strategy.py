@@ -25,7 +25,8 @@ from ..errors import UserError
 from ..options import Option
 
 # name -> the module that defines it as STRATEGY; the first is the default
-STRATEGIES: dict[str, str] = {"ddp": "ddp_kit.parallel.ddp", "fsdp": "ddp_kit.parallel.fsdp", "ft": "ddp_kit.parallel.ft"}
+STRATEGIES: dict[str, str] = {"ddp": "ddp_kit.parallel.ddp", "fsdp": "ddp_kit.parallel.fsdp", "hsdp": "ddp_kit.parallel.hsdp",
+                              "ft": "ddp_kit.parallel.ft"}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 DEFAULT = NAMES[0]
 UNRECORDED = "ddp"  # the strategy of a checkpoint whose meta.json names none (written before there was a choice)

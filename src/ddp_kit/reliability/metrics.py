@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import resource
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import torch
 
 from ..dist import DistContext
 from ..dist.collectives import gather_object
+from ..env.facts import host_name
 
 PARTS = ("data", "forward", "backward", "optimizer", "comm", "other")
 
@@ -178,7 +178,7 @@ def gather_ranks(ctx: DistContext, window: dict[str, float], samples_per_step: i
                  memory: dict[str, int] | None = None) -> list[dict] | None:
     """Every rank's window, on rank 0 only (it logs them and looks for stragglers); None elsewhere.
     `memory`: this rank's parameter/gradient/optimizer bytes, when measured."""
-    mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), **{k: round(v, 6) for k, v in window.items()},
+    mine = {"rank": ctx.rank, "host": host_name(), "pid": os.getpid(), **{k: round(v, 6) for k, v in window.items()},
             "samples_per_s": samples_per_step / window["step_s"] if window["step_s"] > 0 else 0.0,
             "peak_mem_mb": round(peak_memory_mb(ctx.device), 1), **(memory or {})}
     return gather_object(ctx, mine)

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -122,15 +123,15 @@ class PreemptFlag:
 PRIORITY = STOP_PRIORITY  # when ranks received different signals, the one that asks for the most wins
 
 
-def agree_stop(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> tuple[int, bool]:
-    """(the signal any rank received or 0, whether any rank said `also`), identical on every rank:
+def agree_stop(ctx: DistContext, flag: PreemptFlag, also: int = 0) -> tuple[int, int]:
+    """(the signal any rank received or 0, the largest `also` any rank said), identical on every rank:
     one all-reduce carries both, so a timed checkpoint costs no collective of its own."""
     if ctx.world_size == 1:
         return flag.signum, also
     return agree_stop_later(ctx, flag, also)()
 
 
-def agree_stop_later(ctx: DistContext, flag: PreemptFlag, also: bool = False) -> Callable[[], tuple[int, bool]]:
+def agree_stop_later(ctx: DistContext, flag: PreemptFlag, also: int = 0) -> Callable[[], tuple[int, int]]:
     """agree_stop sent now, read when the returned function is called (every rank calls it at the
     same point of the loop). The all-reduce goes out without waiting (async_op), so a rank that
     would wait here for the slowest one, and on a busy core for the scheduler to wake it again,
@@ -138,10 +139,10 @@ def agree_stop_later(ctx: DistContext, flag: PreemptFlag, also: bool = False) ->
     t = torch.tensor([PRIORITY.index(flag.signum), int(also)], dtype=torch.int64, device=ctx.control_device)
     work = tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=ctx.control_group, async_op=True)
 
-    def result() -> tuple[int, bool]:
+    def result() -> tuple[int, int]:
         work.wait()
-        prio, any_also = t.tolist()
-        return int(PRIORITY[prio]), bool(any_also)
+        prio, most = t.tolist()
+        return int(PRIORITY[prio]), int(most)
     return result
 
 
@@ -160,5 +161,7 @@ def requeue(command: tuple[str, ...] | None) -> str:
     except (OSError, subprocess.SubprocessError) as exc:
         return f"could not run {shown}: {exc} (is {command[0]} on PATH in the job?)"
     if res.returncode != 0:
-        return f"{shown} failed: {res.stderr.strip() or res.stdout.strip()} (is the job requeueable: sbatch --requeue?)"
+        allowed = {"scontrol": "sbatch --requeue?", "brequeue": "bsub -r, or an LSF admin's rights?",
+                   "qrerun": "qsub -r y, and PBS manager or operator rights?"}.get(Path(command[0]).name, "its scheduler's setting?")
+        return f"{shown} failed: {res.stderr.strip() or res.stdout.strip()} (is the job requeueable: {allowed})"
     return f"requeued ({shown})"

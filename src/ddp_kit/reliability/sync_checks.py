@@ -73,7 +73,7 @@ def _per_rank_buffers(model: nn.Module) -> set[str]:
     return out
 
 
-def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """What must be equal on every rank: every parameter, and every floating buffer except the
     running statistics of unsynchronised norm layers (SyncBatchNorm's are compared).
 
@@ -103,7 +103,7 @@ def check_consistency(ctx: DistContext, model: nn.Module, step: int, fix: str = 
     return a warning line."""
     if ctx.world_size == 1:
         return None
-    compared = _state_tensors(model) + list(extra)
+    compared = state_tensors(model) + list(extra)
     table = checksums(compared).cpu()  # on a GPU, the one device->host read of a sync-check step
     if all_same(ctx, table.numpy().tobytes()):
         return None

@@ -15,7 +15,9 @@
                                       throttles (503 SlowDown) at start or resume, a GPU ECC/Xid error, the host's
                                       memory (MemoryError: another process may hold it), an I/O error; never under
                                       the repeat rule (a job that cannot fit stops by max_failed_attempts). A full
-                                      disk while checkpointing stops the run with 2 (it will not free itself)
+                                      disk while checkpointing stops the run with 2 (it will not free itself);
+                                      a host the pre-flight health gate failed (errors.Unhealthy): 2 only where
+                                      an elastic job cannot go on without it
     hang                3  yes        no progress within hang_timeout_s (stacks in run_dir/hang/)
     killed              -  yes        (read, never written) an attempt that left no end: SIGKILL, the OOM killer
 
@@ -47,7 +49,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import Unavailable, UserError
+from ..errors import Unavailable, Unhealthy, UserError
 from ..exit_codes import EXIT_HANG as EXIT_HANG  # its old home: `from ..reliability.verdicts import` still works
 from ..exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 
@@ -102,6 +104,9 @@ def of_failure(code: int, err: BaseException, posted: dict[str, Any] | None, ran
     at = dict(rank=int(where["rank"]), host=str(where.get("host")), step=int(where.get("step") or 0)) if where else \
         dict(rank=rank, host=host, step=step)
     on = f"rank {at['rank']} on {at['host']}"
+    if isinstance(err, Unhealthy):  # every rank raised it from the same gate: its hosts are the cause, not the raiser
+        return Verdict("infrastructure", err.retryable, err.message, err.hint, host=",".join(err.hosts), step=step,
+                       error=f"{Unhealthy.__name__}: {err.message}")
     if code == EXIT_HANG:
         return Verdict("hang", True, f"no progress at step {step}: a hang (stacks in run_dir/hang/)",
                        "read the hang report above; a restart resumes from the last checkpoint", **at, error=text)

@@ -12,12 +12,12 @@ from typing import Any
 
 from ..boundary.protocol import Boundary as Whole
 from ..hooks import Boundary, StepHooks
-from ..options import Option, at_least_zero
+from ..options import Option, every_or_auto
 from ..service_registry import Service
 
 OPTIONS = (
-    Option("mem_ckpt_every", 0, key="mem_ckpt_every", resumable=True, check=at_least_zero("mem_ckpt_every"),
-           help="Optimizer steps between memory-tier checkpoints: each rank's state copied into node memory (/dev/shm, or DDP_KIT_MEM_DIR), and on to a rank of the next node; a restart resumes from the newest of them when it is newer than the durable checkpoint (0: off)."),
+    Option("mem_ckpt_every", 0, key="mem_ckpt_every", resumable=True, check=every_or_auto("mem_ckpt_every"), auto=True,
+           help="Optimizer steps between memory-tier checkpoints: each rank's state copied into node memory (/dev/shm, or DDP_KIT_MEM_DIR), and on to a rank of the next node; a restart resumes from the newest of them when it is newer than the durable checkpoint (0: off; auto: the interval from the copy's measured cost and the failure rate, docs/cadence.md)."),
 )
 
 
@@ -27,7 +27,7 @@ class MemoryCopies:
     name = "memory"
     durable = False  # a durable checkpoint of the same step supersedes its copy
 
-    def __init__(self, b: Whole, every: int):
+    def __init__(self, b: Whole, every: int | str):
         self.b, self.every = b, every
         self._tier: Any = None
 
@@ -43,7 +43,7 @@ class MemoryCopies:
     # ---- the Tier ---------------------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        return isinstance(self.every, int) and step % self.every == 0  # auto: due by time (services/cadence.py)
 
     def save(self, b: Boundary) -> None:
         if b.steps.saved != b.steps.done:  # the durable tier holds this step already

@@ -4,12 +4,11 @@ each, so a kill leaves at most one cut line (readers skip it).
 At the attempt's start (collective) it refuses a crash loop or a deterministic failure and records the
 start (boundary/attempts.py: the rule and the start and end lines); during the attempt rank 0 copies the
 events the boundary already has (first step, resume, each log window, checkpoints, evaluation passes,
-strategy ft's pauses, discards and recoveries), never a line per step; at the end, the end line with the
+strategy ft's pauses, discards and recoveries, a rollback after a sync check's vote), never a line per step; at the end, the end line with the
 verdict, also when the watchdog declares a hang or another rank's failure stops this one. `python -m
 ddp_kit.status` reads the whole."""
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -60,7 +59,7 @@ class RunLedger(StepHooks):
         kind = record.get("event")
         if kind in COPIED:
             self._line(str(kind), **{k: record[k] for k in COPIED[kind] if k in record})
-        elif kind in ("first_step", "resume", "eval_pass", "progress"):
+        elif kind in ("first_step", "resume", "eval_pass", "progress", "health", "excluded", "cadence", "rollback"):
             fields = {k: v for k, v in record.items() if k != "event"}
             self._line("eval" if kind == "eval_pass" else str(kind), **fields)
 
@@ -76,10 +75,11 @@ def _peer_failed(b: Any, posted: dict[str, Any]) -> int | None:
     """Rank 0, stopped by another rank's failure: the end line names that failure; the same one at the
     same step as the previous attempt's ends this one with exit 2 too."""
     from ..boundary import attempts
+    from ..env.facts import host_name
     from ..reliability.verdicts import deterministic, of_failure, repeats
 
     error = RuntimeError(str(posted.get("error", "")))
-    verdict = of_failure(1, error, posted, b.ctx.rank, socket.gethostname(), b.progress.step)
+    verdict = of_failure(1, error, posted, b.ctx.rank, host_name(), b.progress.step)
     code = None
     if repeats(verdict, b.previous_end):
         verdict, code = deterministic(verdict), EXIT_USER_ERROR

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..api import Run, init, init_options
+from ..api import AUTO, Run, init, init_options
 from ..data import per_rank_batch
 from ..dist import announce
 from ..doctor import findings_for_error, oom_report
 from ..env import DistEnv, detect
-from ..errors import EXIT_USER_ERROR, UserError, report_user_error
+from ..errors import EXIT_USER_ERROR, UserError, hold_for_rank0, report_user_error
 from ..reliability import param_sha256, refuse_changed
 from .config import TrainConfig, help_text, resolve
 from .inject import parse as parse_faults
@@ -47,20 +47,32 @@ def policy(cfg: TrainConfig) -> dict[str, Any]:
     return {**{n: getattr(cfg, n) for n in names}, "ckpt_every_s": 0.0, "ckpt_write_delay_s": cfg.debug_ckpt_delay_s}
 
 
-def refuse_changed_recipe(cfg: TrainConfig):
+def refuse_changed_recipe(cfg: TrainConfig, batch: dict | None = None):
     """A resume must not silently mix recipes: a changed optimizer fails deep inside torch, and a
-    changed lr or batch would be silently overridden by (or mixed with) the restored state."""
+    changed lr or batch would be silently overridden by (or mixed with) the restored state. `cfg` as
+    given (batch_size auto stays "auto"); `batch`: what auto settled on, against what the checkpoint's did."""
     def check(meta: dict) -> str | None:
-        return refuse_changed(meta.get("config") or {}, cfg.to_dict(), meta["path"],
+        note = refuse_changed(meta.get("config") or {}, cfg.to_dict(), meta["path"],
                               "use a new --run_dir, or --resume never to start over in this one")
+        saved = (meta.get(AUTO_BATCH_META) or {}).get("global_batch")
+        if batch is not None and saved is not None and saved != batch["global_batch"]:
+            raise UserError(f"cannot resume from {meta['path']}: it trained with a global batch of {saved} (batch_size "
+                            f"auto), and this start settled on {batch['global_batch']} (no run_dir/batch_size.json to "
+                            f"read it from?)", f"write {{\"global_batch\": {saved}}} into run_dir/batch_size.json, or use "
+                            "--resume never to start over", verdict=True)
+        return note
     return check
+
+
+AUTO_BATCH_META = "batch_size_auto"  # every checkpoint's meta.json: what --batch_size auto settled on
 
 
 def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
     """Run the reference job described by `cfg` as this process's rank; returns the summary.
     A failure ends the process (SystemExit with the failure policy's code)."""
     env = detect() if env is None else env
-    per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
+    if cfg.batch_size != AUTO:
+        per_rank_batch(cfg.batch_size, env.world_size, cfg.grad_accum)  # refuse before any rendezvous
     cfg = _injected_config(cfg, env.rank)
     with init(cfg.run_dir, backend=cfg.backend, device=cfg.device, timeout_s=cfg.init_timeout_s, seed=cfg.seed,
               env=env, config=cfg.to_dict(), tf32=cfg.tf32, cudnn_benchmark=cfg.cudnn_benchmark,
@@ -71,14 +83,16 @@ def run(cfg: TrainConfig, env: DistEnv | None = None) -> dict[str, Any]:
 
 def cuda_notes(cfg: TrainConfig, run: Run, err: BaseException) -> list[str]:
     """Printed beside a CUDA error: on OOM what this rank held and what to change; the doctor's findings."""
-    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum)
-    oom = isinstance(err, torch.cuda.OutOfMemoryError)
+    oom = isinstance(err, torch.cuda.OutOfMemoryError) and cfg.batch_size != AUTO  # auto: before it is settled
+    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum) if oom else 0
     return (oom_report(run.device, micro, cfg.batch_size, cfg.grad_accum, cfg.amp) if oom else []) + \
         findings_for_error(err, cfg.amp)
 
 
-def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
-    job = build(cfg, run)
+def _job(given: TrainConfig, run: Run) -> dict[str, Any]:
+    job = build(given, run)
+    cfg = job.cfg  # batch_size auto: the global batch settled
+    run.explain_cuda_errors(lambda err: cuda_notes(cfg, run, err))
     env = run.ctx.env
     engine = getattr(env, "engine", None)
     launcher = f"{env.launcher} under {engine}" if engine else env.launcher
@@ -87,7 +101,9 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
               f"global batch {cfg.batch_size} = {run.world_size} x {job.train_loader.micro_batch} x {cfg.grad_accum} "
               f"accum, {job.total_steps} steps, run_dir {cfg.run_dir}")
     start = run.resume(optimizer=job.optimizer, scheduler=job.scheduler, scaler=job.scaler,
-                       check=refuse_changed_recipe(cfg))
+                       check=refuse_changed_recipe(given, job.batch),
+                       meta={AUTO_BATCH_META: {k: job.batch[k] for k in ("global_batch", "per_rank_batch")}}
+                       if job.batch else None)
     if start:
         # A resumed run is the recovery, not the fault; only a deterministic (:always=1) one fires again.
         job.faults = type(job.faults)(job.faults.faults, run.rank, armed=False)
@@ -105,7 +121,8 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
         raise UserError(f"final parameters differ across ranks: ranks {differ} disagree with this one",
                         "a rank desynchronised; rerun with the sync checks on to find where")
     summary = {"world_size": run.world_size, "steps": run.steps_done, "epochs": job.train_loader.epoch, **result,
-               "param_sha256": digest, "config_hash": cfg.hash(),
+               "param_sha256": digest, "config_hash": given.hash(), "batch_size": cfg.batch_size,
+               "per_rank_batch": job.train_loader.micro_batch,
                "param_sha256_all_ranks_equal": None if sharded else True,
                "ddp_kit": __version__, "torch": torch.__version__, "backend": run.ctx.backend,
                "device": str(run.device), "resumed_from_step": int(start) or None, "strategy": cfg.strategy,
@@ -121,9 +138,11 @@ def _job(cfg: TrainConfig, run: Run) -> dict[str, Any]:
     return summary
 
 
-def _micro_batches(batch_size: int, worlds: list[int], grad_accum: int) -> list[int]:
+def _micro_batches(batch_size: int | str, worlds: list[int], grad_accum: int) -> list[int | str]:
     """The per-rank micro-batch at each world size; with several (an elastic job), a batch that does
     not split at one of them is refused with a size that splits at all of them."""
+    if batch_size == AUTO:  # settled at the run's start, by trials on the GPUs
+        return [AUTO for _ in worlds]
     try:
         return [per_rank_batch(batch_size, world, grad_accum) for world in worlds]
     except UserError as err:
@@ -170,6 +189,7 @@ def cli(config: str | None = None, dry_run: bool = False, help_config: bool = Fa
         report_user_error(err, rank)
         if err.local and env is not None and not getattr(err, "posted", False):
             announce(env, err)  # the others may be waiting for this rank in the rendezvous
+        hold_for_rank0(err, rank)
         sys.exit(EXIT_USER_ERROR)
 
 

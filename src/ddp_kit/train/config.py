@@ -18,16 +18,16 @@ from typing import Any
 
 import yaml
 
-from ..api import service_options
+from ..api import AUTO, every_or_auto, service_options
 from ..errors import UserError
 from ..parallel import STRATEGY_NAMES, find_strategy, strategy_config_options
 from ..reliability import config_hash, not_recipe
 
 
-def _f(default: Any, help: str, choices: tuple | None = None):
+def _f(default: Any, help: str, choices: tuple | None = None, auto: bool = False):
     if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata={"help": help, "choices": choices})
-    return field(default=default, metadata={"help": help, "choices": choices})
+        return field(default_factory=lambda: dict(default), metadata={"help": help, "choices": choices, "auto": auto})
+    return field(default=default, metadata={"help": help, "choices": choices, "auto": auto})
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class JobKeys:
     download: bool = _f(False, "Download MNIST/CIFAR-10 into data_root when missing. Off by default: jobs never touch the network unasked.")
     epochs: int = _f(20, "Passes over the training set.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps in total (None: run all epochs).")
-    batch_size: int = _f(64, "GLOBAL batch per optimizer step, over all ranks and micro-steps. Per-rank micro-batch = batch_size / (world_size * grad_accum).")
+    batch_size: int = _f(64, "GLOBAL batch per optimizer step, over all ranks and micro-steps. Per-rank micro-batch = batch_size / (world_size * grad_accum). auto: the largest per-rank micro-batch that fits in every rank's memory, found by trial steps at the start (the ranks agree), times world_size * grad_accum; lr stays as given; kept in run_dir/batch_size.json for resumes (docs/gpus.md).", auto=True)
     grad_accum: int = _f(1, "Micro-steps per optimizer step; the all-reduce runs on the last one only.")
     lr: float = _f(3e-3, "Peak learning rate.")
     lr_schedule: str = _f("cosine", "Learning-rate schedule over the whole run.", ("constant", "cosine"))
@@ -58,7 +58,7 @@ class JobKeys:
     eval_every_epoch: bool = _f(True, "Evaluate on the test split after every epoch (always at the end).")
     device: str = _f("auto", "auto (cuda:<local_rank> when CUDA is available, else cpu), cpu or cuda.", ("auto", "cpu", "cuda"))
     backend: str = _f("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", ("auto", "nccl", "gloo"))
-    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) , fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints) or ft (fault-tolerant DDP on torchft: replica groups that survive a lost group; launch with python -m ddp_kit.launch ft). See docs/strategies.md.", STRATEGY_NAMES)
+    strategy: str = _f(STRATEGY_NAMES[0], "How the model is spread over ranks: ddp (a full copy per rank, gradients all-reduced) , fsdp (FSDP2: parameters, gradients and optimizer state sharded, 1/N per rank; sharded DCP checkpoints), hsdp (FSDP2 sharded within a node and replicated across nodes: --hsdp_shard, --hsdp_replicate) or ft (fault-tolerant DDP on torchft: replica groups that survive a lost group; launch with python -m ddp_kit.launch ft). See docs/strategies.md.", STRATEGY_NAMES)
     compile: bool = _f(False, "Wrap the model in torch.compile.")
     channels_last: bool = _f(False, "Use channels_last memory format for image models.")
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for float32 matmuls and convolutions (about 10 mantissa bits).")
@@ -68,14 +68,14 @@ class JobKeys:
     synthetic_size: int = _f(4096, "Number of training samples of the synthetic dataset (test split: a quarter of it).")
     init_timeout_s: float = _f(600.0, "Timeout of the first rendezvous and collectives (data preparation included).")
     progress: bool = _f(True, "Show a progress bar on rank 0.")
-    ckpt_every: int = _f(100, "Optimizer steps between checkpoints (0: only the final one). Checkpoints go to run_dir/checkpoints.")
+    ckpt_every: int = _f(100, "Optimizer steps between checkpoints (0: only the final one; auto: the interval from the save's measured cost and the failure rate, docs/cadence.md). Checkpoints go to run_dir/checkpoints.", auto=True)
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted after a newer one is committed (0: keep all).")
     resume: str = _f("auto", "auto: continue from the newest valid checkpoint in run_dir; never: start fresh; or a checkpoint folder path.")
     async_ckpt: bool = _f(False, "Copy the state to CPU memory and write the checkpoint in a background thread.")
     ckpt_dir: str | None = _f(None, "Where checkpoints go instead of run_dir/checkpoints: a folder every node mounts, or a URL (s3://bucket/prefix, gs://, az://, file:///path; pip install 'ddp_kit[s3]'). With a URL, run_dir (metrics, summary, hang reports) may be each node's local disk.")
     ckpt_upload_timeout_s: float = _f(1800.0, "ckpt_dir a URL: a failed upload is retried and training goes on; stop the run when no checkpoint has committed for this long (0: never).")
     sync_check_every: int = _f(100, "Optimizer steps between cross-rank parameter/buffer checksum comparisons (0: off).")
-    sync_fix: str = _f("error", "On divergence: error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("error", "broadcast"))
+    sync_fix: str = _f("rollback", "On divergence: rollback (3+ ranks: a majority vote names the rank that differs, and every rank rolls back to the newest checkpoint at or before the last sync check the ranks agreed on, docs/sdc.md; 2 ranks: as error), error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("rollback", "error", "broadcast"))
     collective_timeout_s: float = _f(300.0, "Timeout of every collective after the first step (set behind a barrier).")
     hang_timeout_s: float = _f(180.0, "No progress on a rank for this long: dump stacks to run_dir/hang, report the lagging rank, exit (0: off).")
     peer_timeout_s: float = _f(30.0, "A rank whose heartbeat is silent this long (process killed or frozen) is named and every rank exits (0: off; needs the watchdog).")
@@ -103,11 +103,11 @@ def _config_class() -> type:
     keys: list[tuple[str, Any, Any]] = []
     for f in dataclasses.fields(JobKeys):
         keys.append((f.name, hints[f.name], _f(f.default if f.default is not dataclasses.MISSING else f.default_factory(),
-                                                f.metadata["help"], f.metadata["choices"])))
+                                                f.metadata["help"], f.metadata["choices"], f.metadata["auto"])))
         if f.name == "strategy":
             keys += [(o.key, o.config_type, _f(o.default, o.help, o.choices)) for o in strategy_config_options()]
     # every service's settings that have a config key, as each service declares them (services/)
-    keys += [(o.key, o.config_type, _f(o.default, o.help, o.choices)) for o in service_options() if o.key]
+    keys += [(o.key, o.config_type, _f(o.default, o.help, o.choices, o.auto)) for o in service_options() if o.key]
     cls = dataclasses.make_dataclass("TrainConfig", keys, bases=(_Methods,), frozen=True)
     cls.__module__, cls.__doc__ = __name__, "The reference job's resolved config: JobKeys and the strategies' keys."
     return cls
@@ -132,6 +132,8 @@ def coerce(name: str, value: Any) -> Any:
             return None
         raise UserError(f"config key '{name}' cannot be empty", f"give a {tp.__name__}")
     choices = FIELDS[name].metadata.get("choices")
+    if FIELDS[name].metadata.get("auto") and isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO  # a count that ddp_kit may choose (ckpt_every, mem_ckpt_every)
     if tp is str and isinstance(value, bool) and choices and {"off", "on"} & set(choices):
         value = "on" if value else "off"  # YAML 1.1 reads an unquoted `amp: off` as False
     try:
@@ -271,13 +273,14 @@ def resolve(config_file: str | None = None, overrides: Mapping[str, Any] | None 
 
 def _validate(cfg: TrainConfig) -> None:
     for key in ("epochs", "batch_size", "grad_accum", "log_every", "preempt_check_every"):
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) != AUTO and getattr(cfg, key) < 1:
             raise UserError(f"config key '{key}' must be at least 1; got {getattr(cfg, key)}", f"e.g. --{key} 1")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise UserError(f"max_steps must be at least 1 or None; got {cfg.max_steps}", "drop --max_steps to run all epochs")
     if cfg.lr <= 0:
         raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
-    for key in ("ckpt_every", "keep_last", "sync_check_every"):
+    every_or_auto("ckpt_every")(cfg.ckpt_every)
+    for key in ("keep_last", "sync_check_every"):
         if getattr(cfg, key) < 0:
             raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
     for option in service_options():  # each service's own rules (>= 0, a tracker installed, ...)
@@ -290,6 +293,10 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.num_workers < -1:
         raise UserError(f"num_workers must be >= 0, or -1 for automatic; got {cfg.num_workers}", "e.g. --num_workers 2")
     # The strategy owns its rules (parallel/ddp.py, parallel/fsdp.py); this imports torch, so it runs last.
+    if cfg.batch_size == AUTO and find_strategy(cfg.strategy).sharded:
+        raise UserError(f"batch_size auto cannot search under --strategy {cfg.strategy}: a trial runs each rank's "
+                        "model on its own, and a sharded model's forward gathers weights from every rank",
+                        f"give --batch_size a number with --strategy {cfg.strategy}")
     find_strategy(cfg.strategy).check_config({k: getattr(cfg, k) for k in FIELDS}, {k: f.default for k, f in FIELDS.items()})
 
 

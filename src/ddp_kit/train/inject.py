@@ -5,10 +5,14 @@ Spec (config key `inject`), comma-separated: `KIND:rank=R:step=S[:ms=M]`, e.g. `
 Kinds: kill (SIGKILL itself), raise, hang (sleep forever), freeze (SIGSTOP itself), extra_collective (one all_reduce the
 others never join), perturb (add noise to its parameters), slow (sleep M ms every step from S on),
 config (that rank runs with another seed, as if it had loaded a different config file), nan (that
-rank's loss is NaN at step S), nodata (that rank's data_root is missing, as if on a node without the files).
+rank's loss is NaN at step S), nodata (that rank's data_root is missing, as if on a node without the files),
+bitflip (one bit of one parameter element flips on that rank after step S's optimizer step: silent data
+corruption, which the next sync check's vote names; docs/sdc.md), oom (`oom:rank=R:above=N`: each batch-size
+trial of `--batch_size auto` on that rank with a per-rank batch above N raises torch.OutOfMemoryError, as
+a GPU with less memory would; docs/gpus.md).
 Faults fire only in a run that started from scratch on the first attempt, so a restarted or
 resumed run can show that it recovers; `:always=1` fires on every attempt (a deterministic crash,
-for the crash-loop limit).
+for the crash-loop limit). Each fires once in a process: a rollback that trains step S again does not meet it again.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-KINDS = ("kill", "raise", "hang", "freeze", "extra_collective", "perturb", "slow", "config", "nan", "nodata")
+KINDS = ("kill", "raise", "hang", "freeze", "extra_collective", "perturb", "slow", "config", "nan", "nodata", "bitflip",
+         "oom")
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class Fault:
     step: int
     ms: int = 0
     always: bool = False  # on every attempt, not only the first
+    above: int = 0  # oom: the largest per-rank batch that still fits on this rank
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -38,11 +44,12 @@ def parse(spec: str) -> tuple[Fault, ...]:
         try:
             kv = dict(f.split("=", 1) for f in fields)
             fault = Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 1)), int(kv.get("ms", 0)),
-                          kv.get("always", "0") == "1")
+                          kv.get("always", "0") == "1", int(kv.get("above", 0)))
         except ValueError:
             fault = None
         if fault is None or kind not in KINDS:
-            raise UserError(f"cannot parse inject spec {item!r}", f"use KIND:rank=R:step=S with KIND in {', '.join(KINDS)}")
+            raise UserError(f"cannot parse inject spec {item!r}", f"use KIND:rank=R:step=S (oom:rank=R:above=N) with KIND "
+                            f"in {', '.join(KINDS)}")
         out.append(fault)
     return tuple(out)
 
@@ -50,6 +57,7 @@ def parse(spec: str) -> tuple[Fault, ...]:
 class Injector:
     def __init__(self, faults: tuple[Fault, ...], rank: int, armed: bool):
         self.faults = tuple(f for f in faults if f.rank == rank and (armed or f.always))
+        self.fired: set[Fault] = set()  # a step trained again after a rollback meets no fault a second time
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -58,13 +66,26 @@ class Injector:
         """1.0, or NaN at the step a `nan` fault of this rank is due (multiplied into the loss)."""
         return float("nan") if any(f.kind == "nan" and f.step == step for f in self.faults) else 1.0
 
+    def batch_trial(self, per_rank_batch: int) -> None:
+        """Called by each batch-size trial (--batch_size auto): an `oom` fault of this rank raises
+        torch.OutOfMemoryError for a per-rank batch above its `above`, as a smaller GPU would."""
+        for f in self.faults:
+            if f.kind == "oom" and per_rank_batch > f.above:
+                import torch
+
+                raise torch.OutOfMemoryError(f"injected: rank {f.rank} runs out of memory at a per-rank batch of "
+                                             f"{per_rank_batch} (oom above {f.above})")
+
     def at_step(self, step: int, model=None) -> None:
         """Called after each optimizer step; does nothing unless a fault of this rank is due."""
         for f in self.faults:
             if f.kind == "slow" and step >= f.step:
                 time.sleep(f.ms / 1000)
-            elif step != f.step:
+            elif step != f.step or f in self.fired:
                 continue
+            self.fired.add(f)
+            if f.kind == "bitflip":
+                flip_bit(model, f.rank, step)
             elif f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "raise":
@@ -85,3 +106,28 @@ class Injector:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(1e-3)
+
+
+# The lowest exponent bit of each floating type (its integer twin of the same width): flipping it halves or
+# doubles the value, which stays finite and is plainly visible in a checksum, as a real upset often is.
+_EXPONENT = {"float32": ("int32", 23), "float64": ("int64", 52), "float16": ("int16", 10), "bfloat16": ("int16", 7)}
+
+
+def flip_bit(model, rank: int, step: int) -> None:
+    """Flip one bit of this rank's copy of the first floating parameter, at its middle element: the lowest
+    exponent bit (the next one up if that would make it inf). The same choice on every run."""
+    import torch
+
+    name, p = next((n, p) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.numel())
+    int_name, bit = _EXPONENT[str(p.dtype).removeprefix("torch.")]
+    with torch.no_grad():
+        i = p.numel() // 2
+        cell = p.data.view(-1)[i:i + 1]
+        before = float(cell)
+        for b in (bit, bit + 1):
+            cell.view(getattr(torch, int_name)).bitwise_xor_(1 << b)
+            if torch.isfinite(cell).all():
+                break
+            cell.view(getattr(torch, int_name)).bitwise_xor_(1 << b)  # back: try the next bit
+    print(f"ddp_kit: inject: rank {rank} flips bit {b} of {name}[{i}] after step {step} ({before:.6g} -> "
+          f"{float(cell):.6g})", flush=True)

@@ -2,6 +2,7 @@
 `run.eval_loader`): the workload (model, data, loss), the optimizer and schedule, the fault hooks."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,9 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..api import Run
+from ..api import AUTO, Run
 from ..parallel import check_amp, grad_scaler, to_device
 from ..reliability import model_flops_per_sample, peak_tflops
+from .auto_batch import settle
 from .config import TrainConfig
 from .inject import Injector
 from .inject import parse as parse_faults
@@ -37,32 +39,36 @@ class Job:
     faults: Injector
     flops_per_sample: float | None = None
     peak_tflops: float | None = None
+    batch: dict[str, Any] | None = None  # --batch_size auto: what was settled (auto_batch.py), as recorded
 
 
 def build(cfg: TrainConfig, run: Run) -> Job:
+    """The job's parts. With `--batch_size auto` the returned job's cfg holds the global batch settled
+    (auto_batch.py) between building the optimizer and the loader, and `job.batch` its record."""
     check_amp(cfg.amp, run.device, is_main=run.is_main)
     torch.manual_seed(cfg.seed + run.rank)  # per-rank stream for augmentation; weights use their own seed
     auto = 0 if cfg.device_data else run.loader_workers
     workers = auto if cfg.num_workers < 0 else cfg.num_workers
     work = build_workload(cfg.model, cfg.model_args, cfg.dataset, cfg.dataset_args, cfg.loss, seed=cfg.seed,
                           data_root=cfg.data_root, download=cfg.download, synthetic_size=cfg.synthetic_size)
-    model, train_loader = run.prepare(work.model,  # prepare places it (FSDP: shard by shard)
-                                      DataLoader(work.train, batch_size=cfg.batch_size, shuffle=True,
-                                                 num_workers=workers, drop_last=True),
-                                      grad_accum=cfg.grad_accum, sync_bn=cfg.sync_bn, compile=cfg.compile,
-                                      channels_last=cfg.channels_last,
-                                      device_data=cfg.device_data, strategy=cfg.strategy, amp=cfg.amp,
-                                      **_strategy_options(cfg))
-    test_loader = run.eval_loader(DataLoader(work.test, batch_size=max(train_loader.micro_batch, 256),
-                                             num_workers=workers))
+    model = run.prepare(work.model, sync_bn=cfg.sync_bn, compile=cfg.compile,  # placed (FSDP: shard by shard)
+                        channels_last=cfg.channels_last, strategy=cfg.strategy, amp=cfg.amp, **_strategy_options(cfg))
     optimizer = build_optimizer(cfg.optimizer, list(model.parameters()), run.device.type, lr=cfg.lr,
                                 momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    faults = Injector(parse_faults(cfg.inject), run.rank, armed=run.ctx.env.restart_count == 0)
+    record = None
+    if cfg.batch_size == AUTO:  # the model and optimizer are in memory now, the loader not yet
+        record = settle(cfg, run, model, optimizer, work.train, work.loss, faults.batch_trial)
+        cfg = dataclasses.replace(cfg, batch_size=record["global_batch"])
+    train_loader = run.prepare(DataLoader(work.train, batch_size=cfg.batch_size, shuffle=True, num_workers=workers,
+                                          drop_last=True), grad_accum=cfg.grad_accum, device_data=cfg.device_data)
+    test_loader = run.eval_loader(DataLoader(work.test, batch_size=max(train_loader.micro_batch, 256),
+                                             num_workers=workers))
     total = cfg.epochs * train_loader.steps_per_epoch
     total = min(total, cfg.max_steps) if cfg.max_steps else total
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=_schedule(cfg.lr_schedule, total))
-    faults = Injector(parse_faults(cfg.inject), run.rank, armed=run.ctx.env.restart_count == 0)
     job = Job(cfg, run, model, work.loss, optimizer, scheduler, grad_scaler(cfg.amp, run.device), train_loader,
-              test_loader, total, faults)
+              test_loader, total, faults, batch=record)
     if cfg.rank_metrics:
         sample = to_device(train_loader.sample_batch(), run.device)
         x0 = sample[0] if isinstance(sample, (list, tuple)) else None

@@ -7,6 +7,8 @@ reference job: the loss function's metrics, throughput and MFU in each record, a
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -42,9 +44,34 @@ def _float32(value: Any) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+@functools.cache
+def _has_metrics_keyword(fn: Callable) -> bool:
+    try:
+        return "metrics" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _takes_metrics(fn: Callable) -> bool:
+    """Whether a loss function can be asked to leave its metrics out (a `metrics` keyword); looked up
+    once per function (a signature is tens of microseconds), never for an unhashable callable."""
+    try:
+        return _has_metrics_keyword(fn)
+    except TypeError:
+        return False
+
+
+def _shown(job: Job) -> bool:
+    """Whether a log line shows the coming step's metrics (train_accuracy...): they are that step's own,
+    averaged over ranks, computed on that step only rather than folded on the device every step."""
+    upcoming, every = job.run.steps_done + 1, job.cfg.log_every
+    return bool(every and upcoming % every == 0) or upcoming == job.total_steps
+
+
 def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss and metrics
-    as tensors. No `.item()` here: on CUDA that would wait for the GPU every step. With one
+    as tensors (metrics only on a step a log line shows: a loss taking `metrics` is not asked for them
+    on the others). No `.item()` here: on CUDA that would wait for the GPU every step. With one
     micro-batch nothing is divided or summed into a fresh zero (the same numbers, fewer ops), no
     accumulation context is looked up, a disabled GradScaler is not called at all, and on CPU the
     batch is not "copied" to where it is (each a few microseconds of every step)."""
@@ -52,6 +79,8 @@ def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, t
     n = len(micro_batches)
     scaler = job.scaler if job.scaler.is_enabled() else None
     on_cpu = run.device.type == "cpu"  # the loader's batches are there already
+    metrics_wanted = _shown(job)
+    quiet = {} if metrics_wanted or not _takes_metrics(job.loss_fn) else {"metrics": False}
     total: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
@@ -61,7 +90,7 @@ def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, t
             batch = _channels_last(batch)
         with run.accumulate(model, last=(i == n - 1)) if n > 1 else _ONE_STEP:
             with autocast(cfg.amp, run.device):
-                loss, parts = split_loss(cfg.loss, job.loss_fn(model, batch))
+                loss, parts = split_loss(cfg.loss, job.loss_fn(model, batch, **quiet))
                 if n > 1:
                     loss = loss / n
             if job.faults:
@@ -69,7 +98,7 @@ def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, t
             (scaler.scale(loss) if scaler is not None else loss).backward()
         value = _float32(loss)
         total = value if total is None else total + value
-        for k, v in parts.items():
+        for k, v in (parts if metrics_wanted else {}).items():
             part = _float32(v)
             part = part / n if n > 1 else part
             metrics[k] = metrics[k] + part if k in metrics else part
@@ -130,11 +159,10 @@ def train(job: Job) -> dict[str, Any]:
             sums = run.sum(*(float(window[k]) / max(window["_n"], 1) for k in names if k != "_n"))
             record.update({f"train_{k}": v / run.world_size for k, v in zip([k for k in names if k != "_n"], sums)})
         window.clear()
-        _add_rates(job, record)
-        logged.update(record)
-        say(f"step {record['step']}/{job.total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
-            f"lr {record['lr']:.2e} {record.get('samples_per_s', 0):.0f} samples/s"
-            + (f" mfu {record['mfu']:.1%}" if "mfu" in record else ""))
+        if "loss" in record:  # not a record of no steps (the one a rollback's step still writes: docs/sdc.md)
+            _add_rates(job, record)
+            logged.update(record)
+            say(_line(record, job.total_steps))
 
     run.on_log(on_log)
     while run.steps_done < job.total_steps:
@@ -145,17 +173,20 @@ def train(job: Job) -> dict[str, Any]:
             if len(micro) < cfg.grad_accum:
                 continue
             upcoming = run.steps_done + 1
+            shown = _shown(job)
             loss, metrics = train_step(job, micro)
             micro = []
-            for k, v in metrics.items():
-                window[k] = window.get(k, 0.0) + v
-            window["_n"] = window.get("_n", 0) + 1
+            if shown:  # a log line's metrics are its own step's (_shown)
+                window.clear()
+                window.update(metrics, _n=1)
             if job.faults:
                 run.heartbeat("after step")  # where a hang or crash of a fault is reported
                 job.faults.at_step(upcoming, run.unwrap(job.model))
             step = run.step(loss)
+            if step < upcoming:  # rolled back to an earlier checkpoint (docs/sdc.md): the loader continues from there
+                epoch = loader.epoch
             if bar:
-                bar.update(1)
+                bar.update(step - bar.n)
             if step % cfg.log_every and step == job.total_steps:
                 run.log()  # the final step is always logged
             if step >= job.total_steps:
@@ -170,6 +201,12 @@ def train(job: Job) -> dict[str, Any]:
     wall = time.perf_counter() - start
     return {"train_loss": logged.get("loss"), "wall_s": wall,
             "samples_per_s": (run.steps_done - start_step) * cfg.batch_size / max(wall, 1e-9), **ev}
+
+
+def _line(record: dict, total_steps: int) -> str:
+    return (f"step {record['step']}/{total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
+            f"lr {record['lr']:.2e} {record.get('samples_per_s', 0):.0f} samples/s"
+            + (f" mfu {record['mfu']:.1%}" if "mfu" in record else ""))
 
 
 def _add_rates(job: Job, record: dict) -> None:
