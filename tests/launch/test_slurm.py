@@ -3,6 +3,7 @@ preemption (USR2 -> checkpoint -> requeue -> resume) for both layouts and one ar
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -193,8 +194,11 @@ def test_mistake_unresolvable_master(cluster, tmp_path):
     info = cluster.wait_job(job, timeout=120)
     text = output(run_dir, job)
     assert info["JobState"] == "FAILED", text
-    said = sorted(line for line in text.splitlines() if "does not resolve" in line)
-    assert len(said) == 2 and "from node1" in said[0] and "from node2" in said[1], text  # once per node
+    said = [line for line in text.splitlines() if "does not resolve" in line]
+    # At most once per node, naming it. Each node gives up init_timeout_s after its own start, and the first
+    # to exit ends the step (srun --kill-on-bad-exit): the other node may be stopped before it says so.
+    nodes = [match.group(1) for line in said for match in [re.search(r"from (node\d)", line)] if match]
+    assert said and len(nodes) == len(said) == len(set(nodes)), text
     assert all("no-such-host.invalid" in line for line in said), text
     assert "Traceback" not in text and "socket.cpp" not in text, text  # no retries against a name that cannot resolve
 

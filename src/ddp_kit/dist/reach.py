@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from ..env import DistEnv
+from ..env.facts import host_name
 from ..errors import UserError
 
 # The backoff between tries: short at first (the usual case is a name that appears within a second
@@ -53,7 +54,7 @@ def wait_for_master(env: DistEnv, timeout_s: float, connects: bool, *, clock: Ca
             break
         sleep(delay)
         delay = min(delay * 2, MAX_S)
-    raise UserError(f"master host {what} ({env.launcher}) was not reachable from {socket.gethostname()} within "
+    raise UserError(f"master host {what} ({env.launcher}) was not reachable from {host_name()} within "
                     f"init_timeout_s {timeout_s:g}s ({tries} tries; last: {last})",
                     "check that MASTER_ADDR names the first node/pod (its Service or pod DNS record exists) and that "
                     "rank 0 started, or raise init_timeout_s",
