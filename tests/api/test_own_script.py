@@ -83,7 +83,11 @@ def test_sigkill_with_max_restarts_resumes_bit_identical(tmp_path, name, referen
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_sigterm_checkpoints_exits_75_and_the_rerun_is_bit_identical(tmp_path, name, reference):
     latest = tmp_path / EXAMPLES[name][2] / "checkpoints" / "latest"
-    p = launch(tmp_path, name, "slow:ms=40")
+    # 150 ms a step: the SIGTERM, forwarded by the agent, must reach the workers and be agreed at a stop check
+    # (every 10 steps, sent a step ahead) before the run ends. mnist (66 steps) checkpoints first at step 20
+    # and checks last at step 60: ~39 steps, ~6 s on a loaded machine (at 40 ms, ~1.5 s, which CI outlasted).
+    # Never stopped, the run's 66 (trainer: 96) steps take 10 (15) s: finish's 60 s covers them.
+    p = launch(tmp_path, name, "slow:ms=150")
     wait_for(latest.exists, p, what="a first checkpoint")
     os.kill(p.pid, signal.SIGTERM)  # the torchrun agent we started; it forwards SIGTERM to the workers
     out, err = finish(p)
@@ -102,7 +106,9 @@ def test_a_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
     out, err = finish(p, timeout=120)
     assert "Lagging: rank 1." in err, err[-3000:]
     took = since_ranks_met(tmp_path / "runs/digits", marker=".lock")
-    assert took < hang + 20, took  # 10 steps, then hang_timeout, then the report (a few watchdog polls)
+    # 10 steps, then hang_timeout, then the report (a few watchdog polls), + 30 s for a loaded machine; a
+    # missed stall would end only at finish's 120 s (the stall is an hour)
+    assert took < hang + 50, took
     assert (tmp_path / "runs/digits/hang/rank1.txt").exists()
 
 

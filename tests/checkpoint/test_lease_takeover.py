@@ -23,7 +23,10 @@ from s3_server import free_port
 pytestmark = pytest.mark.integration
 
 TRAIN = ["-m", "ddp_kit.train", "--epochs", "2", "--ckpt_every", "5", "--progress", "false", "--log_every", "5"]
-SLOW = ["--inject", "slow:rank=0:step=1:ms=400"]  # 44 steps of 0.4 s: the first job outlives the second's tries
+# 44 steps of 1.5 s (66 s): the first job outlives the second's start-up and refusal, and is killed anyway.
+# (At 0.4 s a step, B's start on a loaded 2-core machine took as long as A's whole run: A finished and
+# released its lease first, as test_s3.py's twin test met in CI.)
+SLOW = ["--inject", "slow:rank=0:step=1:ms=1500"]
 
 
 def _start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -55,7 +58,9 @@ def test_a_second_torchrun_job_with_the_same_rdzv_id_is_refused_at_its_restart_t
     torchrun restarts it; its restart (restart count 1, A's job id) must be refused again, not take A's
     live lease (before: it did, silently, and A stopped at its next commit)."""
     url = f"file://{tmp_path}/ck"
-    slower = ["--inject", "slow:rank=0:step=1:ms=1000"]  # 44 s: A outlives both of B's attempts
+    # 44 steps of 2.5 s (110 s, ~97 s left after A's first commit): A outlives both of B's attempts, each a
+    # torchrun start with a torch import on a loaded 2-core machine (at 1 s a step only ~39 s were left).
+    slower = ["--inject", "slow:rank=0:step=1:ms=2500"]
     a = _start(_torchrun(free_port(), 0, *TRAIN, *slower, "--run_dir", str(tmp_path / "a"), "--ckpt_dir", url))
     try:
         wait_for(lambda: _latest(tmp_path / "ck"), a, timeout=120, what="job A's first commit")
@@ -63,7 +68,7 @@ def test_a_second_torchrun_job_with_the_same_rdzv_id_is_refused_at_its_restart_t
         refused = [ln for ln in errors(workers(b.stderr)) if "is in use by another job" in ln]
         assert b.returncode != 0 and len(refused) == 2, b.stderr[-4000:]  # the first attempt and its restart
         assert "taking over" not in b.stderr, b.stderr[-4000:]
-        out, err = a.communicate(timeout=120)
+        out, err = a.communicate(timeout=240)  # what is left of A's 110 s of steps, with room for a loaded machine
     finally:
         _stop(a)
     assert a.returncode == 0, err[-4000:]

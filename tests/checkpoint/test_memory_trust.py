@@ -99,8 +99,10 @@ def test_a_job_in_another_pid_namespace_keeps_its_copies(tmp_path):
     /dev/shm), where none of A's pids exist: B must not take A's folder for abandoned."""
     mem = tmp_path / "shm"
     env = proc_env({"DDP_KIT_MEM_DIR": str(mem)})
+    # 44 steps of 1.5 s (66 s): A outlives B, a whole 44-step job started (torch import included) on a
+    # loaded 2-core machine; at 0.4 s a step A could end first.
     a = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "ddp_kit.train", *ARGS, "--inject", "slow:rank=0:step=1:ms=400",
+                          "-m", "ddp_kit.train", *ARGS, "--inject", "slow:rank=0:step=1:ms=1500",
                           "--run_dir", str(tmp_path / "a")],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -117,7 +119,7 @@ def test_a_job_in_another_pid_namespace_keeps_its_copies(tmp_path):
         assert a.poll() is None, "job A ended before job B did: slow it down further"
         assert os.stat(folders[0]).st_ino == made, f"job B removed the live job A's copies\n{b.stdout[-2000:]}"
     finally:
-        code, out = outcome(a, timeout=120)
+        code, out = outcome(a, timeout=180)  # A's 66 s of steps and its saves, with room for a loaded machine
     assert code == 0, out[-3000:]
     assert "lost its copy" not in out, out[-3000:]
 

@@ -18,7 +18,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(slurm_cluster.availabl
 
 ARGS = [*REFERENCE_3_EPOCHS, "--hang_timeout_s", "60"]  # epochs 3, a checkpoint every 5 steps
 # Slows rank 0 (on the first attempt only) so that a signal can land mid-run; weights are unaffected.
-SLOW = ["--inject", "slow:rank=0:step=1:ms=120"]
+# 250 ms: the 56 steps after step 10 take 14 s, for scancel, the batch script's trap and the ranks' stop
+# check on a loaded machine (at 120 ms, 6.7 s: the job could end first). A whole slowed attempt is ~17 s
+# of steps: --time=5 and the 300 s waits below cover it.
+SLOW = ["--inject", "slow:rank=0:step=1:ms=250"]
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(slurm_cluster.availabl
 
 # A stable step time (weights unaffected), so that the kill lands mid-run and group 0 is still training when
 # the restarted group 1 joins: the restart (a new srun step, torch's imports) took ~9 s on 2 idle cores, and
-# 300 steps of 80 ms leave it ~15 s more than that, for a loaded CI machine.
-TRAIN = ["--max_steps", "300", "--log_every", "5", "--ckpt_every", "5", "--inject", "slow:rank=0:step=1:ms=80"]
+# 290 steps of 200 ms after the kill leave ~58 s, room for a restart several times slower on a loaded CI
+# machine (at 80 ms, ~23 s: group 0 could finish before group 1 recovered).
+TRAIN = ["--max_steps", "300", "--log_every", "5", "--ckpt_every", "5", "--inject", "slow:rank=0:step=1:ms=200"]
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +75,19 @@ def group_workers(job: str, group: int) -> list[int]:
 def test_a_lost_group_on_node2_is_restarted_by_the_job_and_recovers_live(cluster, tmp_path):
     run_dir = tmp_path / "run"
     # --chdir: the launcher keeps its groups' stop marks in the job's folder (shared by the nodes).
-    job = cluster.sbatch(["--nodes=2", "--time=3", f"--output={tmp_path}/ft-%j.out", "--chdir", str(tmp_path),
+    # --time=4: above what the waits below allow (start-up to step 10, then ~60 s of steps), so that a slow
+    # job fails on their clear message, not on SLURM's time limit.
+    job = cluster.sbatch(["--nodes=2", "--time=4", f"--output={tmp_path}/ft-%j.out", "--chdir", str(tmp_path),
                           str(ROOT / "slurm" / "ft.sbatch"), *TRAIN, "--run_dir", str(run_dir)],
                          env={"PYTHON": sys.executable, "NPROC_PER_NODE": "1", "OMP_NUM_THREADS": "1",
                               "CUDA_VISIBLE_DEVICES": ""})
-    wait_step(cluster, job, run_dir / "replica_1", 10)
+    wait_step(cluster, job, run_dir / "replica_1", 10, timeout=90)  # two nodes' start-up, torch imports, a lighthouse
     victims = group_workers(job, 1)
     assert len(victims) == 1, (victims, cluster.describe(job))
     # group 1 runs on the job's second node: the worker lives in node2's namespace
     assert os.readlink(f"/proc/{victims[0]}/ns/uts") == cluster.uts["node2"], cluster.describe(job)
     os.kill(victims[0], signal.SIGKILL)
-    info = cluster.wait_job(job, timeout=150)
+    info = cluster.wait_job(job, timeout=150)  # ~58 s of steps left after the kill, and the restart
     text = (tmp_path / f"ft-{job}.out").read_text(errors="replace")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", cluster.describe(job)
     assert "lighthouse at http://node1:" in text, text[-3000:]

@@ -10,7 +10,9 @@ from ddp_kit.errors import UserError
 from ddp_kit.reliability.metrics import StragglerWatch, summarize_ranks
 
 HANG = 8
-COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "60",
+# The collective timeout (120 s) is what would end a hang the watchdog missed: the hang bound below stays
+# well under it while leaving a loaded 2-core machine ~30 s more than an idle one needs.
+COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "120",
           "--sync_check_every", "5"]
 
 
@@ -70,8 +72,9 @@ def test_hang_report_names_the_lagging_rank_among_four(tmp_path):
     lines = ours(res)
     assert any("hang: no progress" in line and "Lagging: rank 3" in line for line in lines), lines
     assert all((tmp_path / "hang" / f"rank{r}.txt").exists() for r in range(4)), list((tmp_path / "hang").iterdir())
-    # hang_timeout + the report's wait (a few watchdog polls) + model build and 5 steps of 4 ranks on 2 cores
-    assert took < HANG + 10 + 15, took
+    # hang_timeout + the report's wait (a few watchdog polls) + model build and 5 steps of 4 ranks on 2 cores,
+    # + 30 s for a loaded machine; a missed hang would end at the 120 s collective timeout
+    assert took < HANG + 10 + 15 + 30, took
 
 
 @pytest.mark.integration

@@ -6,13 +6,16 @@ from conftest import HELPERS, ok, since_ranks_met, torchrun
 pytestmark = pytest.mark.integration  # every test here starts real processes
 
 HANG = 8
-COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "60",
+# The collective timeout (120 s) is what would end a hang the watchdog missed: the bounds below stay well
+# under it while leaving a loaded 2-core machine ~30 s more than an idle one needs.
+COMMON = ["--epochs", "2", "--progress", "false", "--hang_timeout_s", str(HANG), "--collective_timeout_s", "120",
           "--sync_check_every", "5"]
 
 
 def faulty(tmp_path, spec):
     """The job's result, and the seconds from the ranks' meeting to the end of every process."""
-    res = torchrun(["-m", "ddp_kit.train", *COMMON, "--run_dir", str(tmp_path), "--inject", spec], timeout=120)
+    # 180: past the collective timeout, so that a missed hang fails on the bound, not on this kill
+    res = torchrun(["-m", "ddp_kit.train", *COMMON, "--run_dir", str(tmp_path), "--inject", spec], timeout=180)
     took = since_ranks_met(tmp_path, res)
     print(f"{spec}: exit {res.returncode}, {took:.1f}s after the ranks met")
     return res, took
@@ -35,9 +38,9 @@ def test_a_extra_collective(tmp_path):
     text = "\n".join(ours(res))
     # gloo either aborts rank 1 (size mismatch) or the ranks hang; both must name rank 1 and where it was
     assert ("rank 1 crashed" in text and "after step" in text) or ("Lagging: rank 1" in text and "after step" in text), text
-    # Model build and 5 steps, the hang timeout, the poll and the teardown: under the collective
-    # timeout (60 s), which is what would end a hang the watchdog missed.
-    assert took < HANG + 25, took
+    # Model build and 5 steps, the hang timeout, the poll and the teardown: well under the collective
+    # timeout (120 s), which is what would end a hang the watchdog missed.
+    assert took < HANG + 55, took
 
 
 def test_b_hang(tmp_path):
@@ -48,7 +51,7 @@ def test_b_hang(tmp_path):
     assert any(line.strip().startswith("rank 1") and "after step" in line for line in lines), lines
     assert (tmp_path / "hang" / "rank0.txt").exists() and (tmp_path / "hang" / "rank1.txt").exists()
     assert "inject.py" in (tmp_path / "hang" / "rank1.txt").read_text()
-    assert took < HANG + 25, took  # 15 s on an idle machine
+    assert took < HANG + 55, took  # 15 s on an idle machine; a missed hang: the 120 s collective timeout
 
 
 def test_c_raise(tmp_path):
@@ -58,7 +61,7 @@ def test_c_raise(tmp_path):
     originals = [line for line in lines if line.startswith("ddp_kit: error: rank 1 failed at step 5 in after step")]
     assert len(originals) == 1, lines
     assert res.stderr.count("injected fault: rank 1 raises") >= 1
-    assert took < 30, took  # fail-fast: 3 s on an idle machine, not the 60 s collective timeout
+    assert took < 30, took  # fail-fast: 3 s on an idle machine, not the 120 s collective timeout
 
 
 def test_d_perturbed_parameters(tmp_path):

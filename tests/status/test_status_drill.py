@@ -72,17 +72,21 @@ def logged_twice(run: Path) -> int:
 def test_the_fault_drill_adds_up(tmp_path):
     run = tmp_path / "drill"
     # 1. rank 1 SIGKILLed at step 13; torchrun restarts both ranks, which resume from step_10
-    #    and run on until the drill sends SIGTERM (a preemption) past step 25.
+    #    and run on until the drill sends SIGTERM (a preemption) past step 21. The ranks agree on it at
+    #    step 30 (preempt_check_every 10: sent at the end of step 29, read at 30); past step 29 it would
+    #    stop at 40 and the rerun would never meet hang:step=40. Step 21 (not 27: the poll alone may see
+    #    it a few steps late) leaves 8 steps for the signal to land on a loaded machine; step 20's check
+    #    is made before step 20's record, so the stop cannot land at 20.
     p = torchrun(run, "--inject", f"kill:rank=1:step=13,{SLOW_RANK}", restarts=1)
     wait_step(run, 13, p)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not any(r.get("event") == "resume" and r.get("attempt") == 2
                                                    for r in lines(run / "attempts.jsonl")):
         time.sleep(0.1)
-    wait_step(run, 27, p)
+    wait_step(run, 21, p)
     os.killpg(p.pid, signal.SIGTERM)
     rc, out = finish(p)
-    assert "preempted by SIGTERM" in out, out[-4000:]
+    assert "preempted by SIGTERM after step 30" in out, out[-4000:]  # the bookkeeping below counts on step 30
     # 2. the rerun: rank 1 stalls at step 40 (always=1: a resumed run's faults fire only so); the watchdog
     #    declares the hang after hang_timeout_s and the job exits 3.
     rc, out = finish(torchrun(run, "--inject", f"hang:rank=1:step=40:always=1,{SLOW_RANK}"))
