@@ -77,8 +77,8 @@ class Unhealthy(Unavailable):
 # others wait this long for rank 0 to get there before they exit: on a busy machine rank 0 reached the
 # same line after rank 1 had exited and torchrun had already stopped it (CI, stop 53), and nothing was said.
 # Rank 0's exit ends the wait early (torchrun stops the rest), so it costs time only where rank 0 never
-# gets there.
-ECHO_WAIT_S = 5.0
+# gets there. 15 s, not 5: the ranks' start-up (each imports torch) can differ by seconds on a loaded machine.
+ECHO_WAIT_S = 15.0
 
 
 def hold_for_rank0(err: UserError, rank: int) -> None:

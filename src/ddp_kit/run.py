@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .boundary import replay_check
 from .boundary.core import StepBoundary
 from .boundary.eval_pass import EvalLoader
 from .data import TrainLoader, eval_loader, per_rank_batch
@@ -220,6 +221,16 @@ class Run:
         rollback (sync_fix rollback, docs/sdc.md) the steps done are the restored checkpoint's."""
         self._boundary.step(loss)
         return self._boundary.steps.done
+
+    def forward_backward(self, model: nn.Module, compute: Callable[[], Any], scaler: Any = None) -> Any:
+        """`loss = compute()` (the forward on this step's batch), then its backward, scaled by `scaler` (a
+        GradScaler) when given; returns the loss. Call it where `loss.backward()` would be, inside
+        `run.accumulate` with micro-batches. Every `sdc_check_every` steps the step is computed again and
+        compared before the optimizer sees it (docs/sdc.md): `compute` must depend only on the batch, the model
+        and torch's random state."""
+        def backward(loss: Any) -> None:
+            (scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss).backward()
+        return replay_check.forward_backward(self._boundary, model, compute, backward)
 
     def save(self) -> None:
         """Checkpoint now (every rank must call it); resumable by `run.resume`."""

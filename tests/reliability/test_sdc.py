@@ -93,3 +93,25 @@ def test_a_host_outvoted_twice_ends_the_attempt_as_infrastructure(tmp_path):
     (end,) = [r for r in records if r["event"] == "end"]
     assert (end["verdict"], end["host"], end["retryable"]) == ("infrastructure", HOST, True), end
     assert list(twice_failed(records, [HOST])) == [HOST]
+
+
+def test_a_flipped_gradient_bit_is_found_by_the_replay_check_and_the_step_computed_again(tmp_path, reference_summary):
+    """A bit of rank 1's local gradient flips in step 6's backward (--inject gradflip), before DDP averages it:
+    every replica takes the same wrong step, and the sync check sees nothing (the unchecked run ends on other
+    weights with no word). With sdc_check_every 3 the replay check names rank 1 and its host, the step is computed
+    a third time, and the run ends on the weights of a run without the fault."""
+    args = (*COMMON, "--max_steps", "12")
+    fault = ("--inject", "gradflip:rank=1:step=6")
+    unchecked = ok(train(tmp_path / "unchecked", *fault, nproc=2, args=args))
+    assert "flips bit" in unchecked.stdout and "silent data corruption" not in unchecked.stdout, unchecked.stdout[-3000:]
+    clean = reference_summary(2, args)["param_sha256"]
+    assert read_json(tmp_path / "unchecked" / "summary.json")["param_sha256"] != clean  # the fault is real
+    res = ok(train(tmp_path / "checked", *fault, "--sdc_check_every", "3", nproc=2, args=args))
+    said = [ln for ln in res.stdout.splitlines() if "replay check" in ln]
+    assert len(said) == 1 and said[0].startswith(
+        f"ddp_kit: silent data corruption suspected at step 6 (replay check, sdc_check_every): rank 1 (host {HOST}) "
+        f"computed its gradients differently in the first of two computations, and a third agreed with the second"), \
+        res.stdout[-3000:]
+    assert read_json(tmp_path / "checked" / "summary.json")["param_sha256"] == clean
+    (line,) = [r for r in ledger(tmp_path / "checked") if r["event"] == "replay"]
+    assert (line["step"], line["ranks"], line["hosts"], line["went_on"]) == (6, [1], [HOST], True)

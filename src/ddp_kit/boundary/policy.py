@@ -35,6 +35,8 @@ class Policy:
     collective_timeout_s: float = 300.0  # every collective's timeout after step 1
     preempt_check_every: int = 10  # steps between the ranks' agreement on a stop signal
     sync_check_every: int = 100  # steps between cross-rank checksum comparisons (0: off)
+    # steps between replay checks: run.forward_backward computes the step again and compares (0: off; docs/sdc.md)
+    sdc_check_every: int = 0
     # on divergence: rollback (3+ ranks: the majority names the corrupt rank, every rank rolls back to the last
     # checkpoint the ranks agreed on; 2 ranks: as error), error, or broadcast rank 0's weights (docs/sdc.md)
     sync_fix: str = "rollback"
@@ -68,6 +70,9 @@ class Policy:
     def _check(self) -> None:
         object.__setattr__(self, "ckpt_every", auto_or(self.ckpt_every))  # "Auto" is "auto" (options.auto_or)
         every_or_auto("ckpt_every")(self.ckpt_every)
+        if not isinstance(self.sdc_check_every, int) or self.sdc_check_every < 0:
+            raise UserError(f"sdc_check_every must be a whole number >= 0; got {self.sdc_check_every!r}",
+                            "pass sdc_check_every=0 (off) or the steps between replay checks, e.g. 1000")
         if self.sync_fix not in ("rollback", "error", "broadcast"):
             raise UserError(f"sync_fix {self.sync_fix!r} is not one of rollback, error, broadcast",
                             "pass sync_fix=\"rollback\" (the default), \"error\" or \"broadcast\"")

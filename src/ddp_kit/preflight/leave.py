@@ -67,10 +67,11 @@ def twice_failed(records: Sequence[dict[str, Any]], hosts: Sequence[str]) -> dic
                 any(w in str(r.get("error", "")) for w in NODE_WORDS):
             for h in str(r["host"]).split(","):
                 seen.setdefault(h, []).append(f"attempt {r.get('attempt')}: {str(r.get('cause', ''))[:120]}")
-        elif r.get("event") == "rollback" and isinstance(r.get("hosts"), list):  # its rank was outvoted (docs/sdc.md)
+        elif r.get("event") in ("rollback", "replay") and isinstance(r.get("hosts"), list):
+            # its rank was outvoted, or computed a step differently when it computed it again (docs/sdc.md)
             for h in dict.fromkeys(str(x) for x in r["hosts"]):
                 seen.setdefault(h, []).append(f"attempt {r.get('attempt')}: silent data corruption suspected at "
-                                              f"step {r.get('step')}")
+                                              f"step {r.get('step')}" + (" (replay check)" if r["event"] == "replay" else ""))
     return {h: "; ".join(why[-REPEATS:]) for h, why in seen.items() if len(why) >= REPEATS and h in hosts}
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import UserError
 
 _NOT_RECIPE = frozenset({"progress", "log_every", "resume", "inject", "debug_ckpt_delay_s", "run_dir", "num_workers",
-                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sync_fix",
+                        "ckpt_every", "keep_last", "async_ckpt", "init_timeout_s", "sync_check_every", "sdc_check_every", "sync_fix",
                         "collective_timeout_s", "hang_timeout_s", "peer_timeout_s", "preempt_check_every", "rank_metrics", "rank_records_max",
                         "straggler_margin", "ckpt_dir", "ckpt_upload_timeout_s"})
 # Keys that may differ between a checkpoint and the run resuming it: how long the run goes, where

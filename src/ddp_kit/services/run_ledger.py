@@ -59,7 +59,8 @@ class RunLedger(StepHooks):
         kind = record.get("event")
         if kind in COPIED:
             self._line(str(kind), **{k: record[k] for k in COPIED[kind] if k in record})
-        elif kind in ("first_step", "resume", "eval_pass", "progress", "health", "excluded", "cadence", "rollback"):
+        elif kind in ("first_step", "resume", "eval_pass", "progress", "health", "excluded", "cadence", "rollback",
+                      "replay"):
             fields = {k: v for k, v in record.items() if k != "event"}
             self._line("eval" if kind == "eval_pass" else str(kind), **fields)
 

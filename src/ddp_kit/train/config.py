@@ -75,6 +75,7 @@ class JobKeys:
     ckpt_dir: str | None = _f(None, "Where checkpoints go instead of run_dir/checkpoints: a folder every node mounts, or a URL (s3://bucket/prefix, gs://, az://, file:///path; pip install 'ddp_kit[s3]'). With a URL, run_dir (metrics, summary, hang reports) may be each node's local disk.")
     ckpt_upload_timeout_s: float = _f(1800.0, "ckpt_dir a URL: a failed upload is retried and training goes on; stop the run when no checkpoint has committed for this long (0: never).")
     sync_check_every: int = _f(100, "Optimizer steps between cross-rank parameter/buffer checksum comparisons (0: off).")
+    sdc_check_every: int = _f(0, "Optimizer steps between replay checks: the step's forward and backward computed again on the same batch and compared on each rank before the optimizer step; a transient fault is named and the step recomputed (0: off; docs/sdc.md).")
     sync_fix: str = _f("rollback", "On divergence: rollback (3+ ranks: a majority vote names the rank that differs, and every rank rolls back to the newest checkpoint at or before the last sync check the ranks agreed on, docs/sdc.md; 2 ranks: as error), error (stop every rank, naming tensors and ranks) or broadcast (copy rank 0's values, warn).", ("rollback", "error", "broadcast"))
     collective_timeout_s: float = _f(300.0, "Timeout of every collective after the first step (set behind a barrier).")
     hang_timeout_s: float = _f(180.0, "No progress on a rank for this long: dump stacks to run_dir/hang, report the lagging rank, exit (0: off).")
@@ -280,7 +281,7 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.lr <= 0:
         raise UserError(f"lr must be positive; got {cfg.lr}", "e.g. --lr 1e-3")
     every_or_auto("ckpt_every")(cfg.ckpt_every)
-    for key in ("keep_last", "sync_check_every"):
+    for key in ("keep_last", "sync_check_every", "sdc_check_every"):
         if getattr(cfg, key) < 0:
             raise UserError(f"config key '{key}' must be >= 0; got {getattr(cfg, key)}", f"e.g. --{key} 0")
     for option in service_options():  # each service's own rules (>= 0, a tracker installed, ...)

@@ -7,7 +7,9 @@ others never join), perturb (add noise to its parameters), slow (sleep M ms ever
 config (that rank runs with another seed, as if it had loaded a different config file), nan (that
 rank's loss is NaN at step S), nodata (that rank's data_root is missing, as if on a node without the files),
 bitflip (one bit of one parameter element flips on that rank after step S's optimizer step: silent data
-corruption, which the next sync check's vote names; docs/sdc.md), oom (`oom:rank=R:above=N`: each batch-size
+corruption, which the next sync check's vote names; docs/sdc.md), gradflip (one bit of that rank's local
+gradient flips in step S's first backward, before DDP averages it: a transient fault in the arithmetic, which
+every replica then shares and only a replay check names; docs/sdc.md), oom (`oom:rank=R:above=N`: each batch-size
 trial of `--batch_size auto` on that rank with a per-rank batch above N raises torch.OutOfMemoryError, as
 a GPU with less memory would; docs/gpus.md).
 Faults fire only in a run that started from scratch on the first attempt, so a restarted or
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from ..errors import UserError
 
 KINDS = ("kill", "raise", "hang", "freeze", "extra_collective", "perturb", "slow", "config", "nan", "nodata", "bitflip",
-         "oom")
+         "gradflip", "oom")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,28 @@ class Injector:
                 raise torch.OutOfMemoryError(f"injected: rank {f.rank} runs out of memory at a per-rank batch of "
                                              f"{per_rank_batch} (oom above {f.above})")
 
+    def before_backward(self, step: int, model) -> None:
+        """Called before each step's forward and backward: a `gradflip` fault of this rank due at `step` flips
+        one bit of the next gradient autograd delivers for the first floating parameter, at its largest element
+        (once: computed again, the step's gradient is right, as after a transient fault in the arithmetic)."""
+        for f in self.faults:
+            if f.kind != "gradflip" or f.step != step or f in self.fired:
+                continue
+            self.fired.add(f)
+            name, p = next((n, p) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.requires_grad)
+            handles: list = []
+
+            def hook(grad, name=name, rank=f.rank, handles=handles):
+                handles[0].remove()
+                flipped = grad.clone()
+                i = int(flipped.abs().argmax())
+                before, b = _flip(flipped.view(-1)[i:i + 1])
+                print(f"ddp_kit: inject: rank {rank} flips bit {b} of the gradient of {name}[{i}] in step {step} "
+                      f"({before:.6g} -> {float(flipped.view(-1)[i]):.6g})", flush=True)
+                return flipped
+
+            handles.append(p.register_hook(hook))
+
     def at_step(self, step: int, model=None) -> None:
         """Called after each optimizer step; does nothing unless a fault of this rank is due."""
         for f in self.faults:
@@ -119,15 +143,25 @@ def flip_bit(model, rank: int, step: int) -> None:
     import torch
 
     name, p = next((n, p) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.numel())
-    int_name, bit = _EXPONENT[str(p.dtype).removeprefix("torch.")]
     with torch.no_grad():
         i = p.numel() // 2
         cell = p.data.view(-1)[i:i + 1]
-        before = float(cell)
+        before, b = _flip(cell)
+    print(f"ddp_kit: inject: rank {rank} flips bit {b} of {name}[{i}] after step {step} ({before:.6g} -> "
+          f"{float(cell):.6g})", flush=True)
+
+
+def _flip(cell) -> tuple[float, int]:
+    """Flip the lowest exponent bit of the one-element tensor `cell`, in place (the next one up if that would
+    make it inf): its value times or over a power of two. Returns the value before and the bit flipped."""
+    import torch
+
+    int_name, bit = _EXPONENT[str(cell.dtype).removeprefix("torch.")]
+    before = float(cell)
+    with torch.no_grad():
         for b in (bit, bit + 1):
             cell.view(getattr(torch, int_name)).bitwise_xor_(1 << b)
             if torch.isfinite(cell).all():
                 break
             cell.view(getattr(torch, int_name)).bitwise_xor_(1 << b)  # back: try the next bit
-    print(f"ddp_kit: inject: rank {rank} flips bit {b} of {name}[{i}] after step {step} ({before:.6g} -> "
-          f"{float(cell):.6g})", flush=True)
+    return before, b

@@ -83,19 +83,28 @@ def train_step(job: Job, micro_batches: list) -> tuple[torch.Tensor, dict[str, t
     quiet = {} if metrics_wanted or not _takes_metrics(job.loss_fn) else {"metrics": False}
     total: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
+    if job.faults:
+        job.faults.before_backward(run.steps_done + 1, run.unwrap(model))
     for i, batch in enumerate(micro_batches):
         if not on_cpu:
             batch = to_device(batch, run.device)
         if cfg.channels_last:
             batch = _channels_last(batch)
-        with run.accumulate(model, last=(i == n - 1)) if n > 1 else _ONE_STEP:
+        got: list = []
+
+        def forward(batch: Any = batch, got: list = got) -> torch.Tensor:  # a replay check computes it again
             with autocast(cfg.amp, run.device):
                 loss, parts = split_loss(cfg.loss, job.loss_fn(model, batch, **quiet))
                 if n > 1:
                     loss = loss / n
             if job.faults:
                 loss = loss * job.faults.loss_factor(run.steps_done + 1)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            got[:] = [parts]
+            return loss
+
+        with run.accumulate(model, last=(i == n - 1)) if n > 1 else _ONE_STEP:
+            loss = run.forward_backward(model, forward, scaler)
+        parts = got[0]
         value = _float32(loss)
         total = value if total is None else total + value
         for k, v in (parts if metrics_wanted else {}).items():

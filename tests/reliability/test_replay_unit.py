@@ -1,0 +1,203 @@
+"""The replay check (sdc_check_every; reliability/replay.py, docs/sdc.md) without processes: a step computed again
+leaves the run bit for bit as it was (random state, BatchNorm's statistics, the gradients); a transient fault in
+either computation is found, judged by a third and the step goes on with right gradients; a step that does not
+repeat is refused; and through ddp_kit.init, the check runs at its steps only, says what it found once and tells
+the ledger, whose line the health gate counts against the host."""
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_kit.preflight.leave import twice_failed
+from ddp_kit.reliability.replay import FIRST, NONE, SAME, SECOND, THIRD, Computed, Finding, checked, judge
+
+torch.manual_seed(0)
+DATA = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)  # dropout (the random state) and BatchNorm (buffers): what a second computation could move
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _flip_once(param: nn.Parameter, on_call: int):
+    """A transient fault: the `on_call`-th gradient autograd delivers for `param` comes out doubled at one element."""
+    calls = [0]
+
+    def hook(grad):
+        calls[0] += 1
+        if calls[0] != on_call:
+            return None
+        out = grad.clone()
+        out.view(-1)[int(out.abs().argmax())] *= 2
+        return out
+    return param.register_hook(hook)
+
+
+def _step(model, x, y, *, check: bool, exchange=None, fault=None, accumulated: int = 0):
+    """One SGD-less step's gradients: `accumulated` micro-batches first (plain), then the last one, checked or not."""
+    def compute():
+        return nn.functional.cross_entropy(model(x), y)
+
+    def backward(loss):
+        loss.backward()
+
+    for _ in range(accumulated):
+        backward(compute())
+    handle = fault(model) if fault else None
+    try:
+        if not check:
+            loss = compute()
+            backward(loss)
+            return loss, None
+        return checked(model, compute, backward, step=7, device=torch.device("cpu"), local=nullcontext,
+                       exchange=exchange or (lambda mine: [mine]), host="here")
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _state(model):
+    return ([p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()], torch.get_rng_state())
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a[0] + a[1] + [a[2]], b[0] + b[1] + [b[2]]))
+
+
+@pytest.mark.parametrize("accumulated", [0, 2])
+def test_a_checked_step_leaves_rng_buffers_and_gradients_as_an_unchecked_one(accumulated):
+    x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
+    plain = _model()
+    torch.manual_seed(5)
+    loss_plain, _ = _step(plain, x, y, check=False, accumulated=accumulated)
+    after_plain = _state(plain)
+    checked_model = _model()
+    torch.manual_seed(5)
+    loss_checked, found = _step(checked_model, x, y, check=True, accumulated=accumulated)
+    assert found is None  # the two computations agreed
+    assert torch.equal(loss_plain, loss_checked)
+    assert _same(after_plain, _state(checked_model))  # dropout's draws, BatchNorm's statistics, the gradients
+
+
+@pytest.mark.parametrize("on_call,odd", [(1, FIRST), (2, SECOND)])
+@pytest.mark.parametrize("accumulated", [0, 2])
+def test_a_transient_fault_in_either_computation_is_found_and_the_step_goes_on_right(on_call, odd, accumulated):
+    x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
+    clean = _model()
+    torch.manual_seed(5)
+    _step(clean, x, y, check=False, accumulated=accumulated)
+    model = _model()
+    torch.manual_seed(5)
+    loss, found = _step(model, x, y, check=True, accumulated=accumulated,
+                        fault=lambda m: _flip_once(m[0].weight, on_call))
+    assert found is not None and found.odd == (odd,) and found.goes_on and found.ranks == (0,)
+    assert found.what == ("its gradients",)  # the loss is the forward's: the fault came after it
+    assert _same(_state(clean), _state(model))  # the third computation's gradients, the faultless ones
+    line = found.line()
+    assert line.startswith("silent data corruption suspected at step 7 (replay check, sdc_check_every): rank 0 "
+                           "(host here) computed its gradients differently in the "), line
+    assert found.record()["hosts"] == ["here"] and found.record()["went_on"] is True
+
+
+def test_the_odd_one_out_of_three():
+    def c(loss, *grads):
+        return Computed(torch.tensor(float(loss)), torch.tensor([[g, g] for g in grads], dtype=torch.int64))
+    a, b, other = c(1, 1, 2), c(1, 1, 2), c(1, 1, 3)
+    assert (judge(a, b, a), judge(other, a, b), judge(a, other, b), judge(a, b, other)) == (SAME, FIRST, SECOND, THIRD)
+    assert judge(a, other, c(2, 1, 2)) == NONE
+    nan = c(float("nan"), 1)
+    assert judge(nan, nan, nan) == SAME  # a NaN the same computation gave is the same (the NaN guard says the rest)
+
+
+def test_a_step_that_does_not_repeat_is_refused_naming_the_host():
+    model = _model()
+    noise = torch.Generator().manual_seed(0)  # a loss drawing from a generator of its own: not replayed
+    x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
+
+    def compute():
+        return nn.functional.cross_entropy(model(x), y) + torch.rand((), generator=noise)
+
+    _, found = checked(model, compute, lambda loss: loss.backward(), step=3, device=torch.device("cpu"),
+                       local=nullcontext, exchange=lambda mine: [mine], host="here")
+    assert found is not None and found.odd == (NONE,) and not found.goes_on
+    assert "rank 0 (host here) computed the step three times with no two computations agreeing" in found.not_repeatable()
+    everywhere = Finding(3, (NONE, NONE), ("its loss", "its loss"), ("a", "b"))
+    assert everywhere.not_repeatable().startswith("step 3 is not repeatable on any rank")
+
+
+def test_two_ranks_words_make_one_finding():
+    """Each rank's word comes through `exchange` (an all-gather): rank 1 differed, rank 0 did not; every rank
+    computes the third time, and the finding names rank 1 alone."""
+    model = _model()
+    x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
+    calls = []
+
+    def exchange(mine):
+        calls.append(mine)
+        healthy = (SAME, "", "a")  # rank 0: its two computations agreed, and its third too
+        return [healthy, mine]
+
+    _, found = _step(model, x, y, check=True, exchange=exchange, fault=lambda m: _flip_once(m[0].weight, 1))
+    assert len(calls) == 2 and calls[0][0] == "?"  # the first word: this rank differed; the second: judge's
+    assert found.ranks == (1,) and found.hosts == ("a", "here") and "rank 1 (host here)" in found.line()
+
+
+def _run(tmp_path, monkeypatch, every: int, fault_step: int | None, steps: int = 6):
+    import ddp_kit
+    from ddp_kit.env import DistEnv
+
+    run = ddp_kit.init(run_dir=str(tmp_path), env=DistEnv(), device="cpu", resume="never", log_every=2,
+                       sdc_check_every=every, hang_timeout_s=0, config={"case": "replay"})
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, loader, opt = run.prepare(model, DataLoader(DATA, batch_size=8, shuffle=True), opt)
+    computed = []
+    with run:
+        run.resume(optimizer=opt)
+        for x, y in loader:
+            handle = _flip_once(run.unwrap(model)[0].weight, 1) if run.steps_done + 1 == fault_step else None
+
+            def compute(x=x, y=y):
+                computed.append(run.steps_done + 1)
+                return nn.functional.cross_entropy(model(x), y)
+            loss = run.forward_backward(model, compute)
+            if handle is not None:
+                handle.remove()
+            opt.step()
+            opt.zero_grad()
+            if run.step(loss) >= steps:
+                break
+        weights = {k: v.clone() for k, v in run.unwrap(model).state_dict().items()}
+    return weights, computed
+
+
+def test_through_init_the_check_runs_at_its_steps_says_once_and_tells_the_ledger(tmp_path, monkeypatch, capsys):
+    clean, computed = _run(tmp_path / "clean", monkeypatch, every=0, fault_step=None)
+    assert computed == [1, 2, 3, 4, 5, 6]  # off: one computation a step
+    unchecked, _ = _run(tmp_path / "unchecked", monkeypatch, every=0, fault_step=4)
+    assert any(not torch.equal(clean[k], unchecked[k]) for k in clean)  # unchecked, the fault stays in the weights
+    capsys.readouterr()
+    weights, computed = _run(tmp_path / "checked", monkeypatch, every=2, fault_step=4)
+    assert computed == [1, 2, 2, 3, 4, 4, 4, 5, 6, 6]  # every 2nd step twice; step 4 (the fault) three times
+    assert all(torch.equal(clean[k], weights[k]) for k in clean)  # as if no fault had happened
+    out = capsys.readouterr()
+    said = [ln for ln in (out.out + out.err).splitlines() if "replay check" in ln]
+    assert len(said) == 1 and said[0].startswith("ddp_kit: silent data corruption suspected at step 4 (replay check"), said
+    records = [json.loads(ln) for ln in (tmp_path / "checked" / "attempts.jsonl").read_text().splitlines()]
+    (line,) = [r for r in records if r["event"] == "replay"]
+    assert (line["step"], line["ranks"], line["odd"], line["went_on"]) == (4, [0], {"0": "first"}, True)
+    assert twice_failed(records + [{**line, "attempt": 2}], [line["hosts"][0]])  # twice: the gate leaves the host out
+
+
+def test_sdc_check_every_refuses_a_negative_value():
+    from ddp_kit.boundary.policy import Policy
+    from ddp_kit.errors import UserError
+
+    with pytest.raises(UserError, match="sdc_check_every must be a whole number >= 0"):
+        Policy(sdc_check_every=-1)
