@@ -40,6 +40,7 @@ from .boundary.policy import Policy
 from .dist import distributed
 from .doctor import findings_for_error
 from .env import DistEnv, detect
+from .errors import UserError
 from .integrations.ray import reporter as ray_reporter
 from .options import AUTO, Option, every_or_auto
 from .parallel.batch_finder import BatchSearch, find_batch_size
@@ -107,6 +108,11 @@ def init(run_dir: str | Path | None = None, *, backend: str = "auto", device: st
     except BaseException:
         stack.close()
         raise
+    if policy.sdc_check_every and ctx.device.type == "cuda" and not deterministic:
+        stack.close()  # before the replay check's first step would accuse a host of what a GPU kernel's atomics do
+        raise UserError("sdc_check_every compares two computations of a step bit for bit, and on a GPU without "
+                        "deterministic=True some kernels (atomics, cuDNN's autotuned algorithms) differ every time",
+                        "pass deterministic=True to ddp_kit.init (--deterministic true), or sdc_check_every=0")
     kernel_settings(ctx.device, tf32=tf32, cudnn_benchmark=cudnn_benchmark, deterministic=deterministic)
     return _start(StepBoundary(ctx, policy, progress, flag), stack, box, joining, config, split_batches, seed)
 

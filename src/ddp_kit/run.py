@@ -106,6 +106,7 @@ class Run:
                                 "run.eval_loader")
         if models:
             self._boundary.strategy = chosen
+            replay_check.refuse_strategy(self._boundary.policy.sdc_check_every, chosen)
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp, **options)) for o in objs]
         if models:  # what the strategy adds at each step (strategy ft: the replica group's quorum)

@@ -39,7 +39,7 @@ def _flip_once(param: nn.Parameter, on_call: int):
     return param.register_hook(hook)
 
 
-def _step(model, x, y, *, check: bool, exchange=None, fault=None, accumulated: int = 0):
+def _step(model, x, y, *, check: bool, agree=None, exchange=None, fault=None, accumulated: int = 0):
     """One SGD-less step's gradients: `accumulated` micro-batches first (plain), then the last one, checked or not."""
     def compute():
         return nn.functional.cross_entropy(model(x), y)
@@ -56,7 +56,7 @@ def _step(model, x, y, *, check: bool, exchange=None, fault=None, accumulated: i
             backward(loss)
             return loss, None
         return checked(model, compute, backward, step=7, device=torch.device("cpu"), local=nullcontext,
-                       exchange=exchange or (lambda mine: [mine]), host="here")
+                       agree=agree or (lambda same: same), exchange=exchange or (lambda mine: [mine]), host="here")
     finally:
         if handle is not None:
             handle.remove()
@@ -115,7 +115,7 @@ def test_the_odd_one_out_of_three():
     assert judge(nan, nan, nan) == SAME  # a NaN the same computation gave is the same (the NaN guard says the rest)
 
 
-def test_a_step_that_does_not_repeat_is_refused_naming_the_host():
+def test_a_step_that_does_not_repeat_is_named_a_setting_alone_and_a_host_where_another_rank_repeats_it():
     model = _model()
     noise = torch.Generator().manual_seed(0)  # a loss drawing from a generator of its own: not replayed
     x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
@@ -124,28 +124,33 @@ def test_a_step_that_does_not_repeat_is_refused_naming_the_host():
         return nn.functional.cross_entropy(model(x), y) + torch.rand((), generator=noise)
 
     _, found = checked(model, compute, lambda loss: loss.backward(), step=3, device=torch.device("cpu"),
-                       local=nullcontext, exchange=lambda mine: [mine], host="here")
-    assert found is not None and found.odd == (NONE,) and not found.goes_on
-    assert "rank 0 (host here) computed the step three times with no two computations agreeing" in found.not_repeatable()
-    everywhere = Finding(3, (NONE, NONE), ("its loss", "its loss"), ("a", "b"))
-    assert everywhere.not_repeatable().startswith("step 3 is not repeatable on any rank")
+                       local=nullcontext, agree=lambda same: same, exchange=lambda mine: [mine], host="here")
+    assert found is not None and found.odd == (NONE,) and not found.goes_on and not found.a_host_to_blame
+    assert found.not_repeatable().startswith("step 3 is not repeatable (replay check, sdc_check_every): computed "
+                                             "three times, it gave other gradients on this rank")
+    one_bad = Finding(3, (SAME, NONE, THIRD), ("", "its loss", "its gradients"), ("a", "b", "c"))
+    assert one_bad.a_host_to_blame and one_bad.bad == (1, 2)
+    assert one_bad.not_repeatable() == ("silent data corruption suspected at step 3 (replay check, sdc_check_every): "
+                                        "rank 1 (host b) computed the step with no two of three computations agreeing; "
+                                        "rank 2 (host c) computed the step the same way twice, then differently")
 
 
 def test_two_ranks_words_make_one_finding():
-    """Each rank's word comes through `exchange` (an all-gather): rank 1 differed, rank 0 did not; every rank
-    computes the third time, and the finding names rank 1 alone."""
+    """`agree` (an all-reduce of a flag) says that some rank differed; every rank computes the third time, and
+    only then are the words gathered (`exchange`): the finding names rank 1 alone."""
     model = _model()
     x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
     calls = []
 
     def exchange(mine):
         calls.append(mine)
-        healthy = (SAME, "", "a")  # rank 0: its two computations agreed, and its third too
-        return [healthy, mine]
+        return [(SAME, "", "a"), mine]  # rank 0: its computations agreed
 
     _, found = _step(model, x, y, check=True, exchange=exchange, fault=lambda m: _flip_once(m[0].weight, 1))
-    assert len(calls) == 2 and calls[0][0] == "?"  # the first word: this rank differed; the second: judge's
+    assert calls == [(FIRST, "its gradients", "here")]  # gathered once, after the third computation
     assert found.ranks == (1,) and found.hosts == ("a", "here") and "rank 1 (host here)" in found.line()
+    _, nothing = _step(_model(), x, y, check=True, exchange=exchange)
+    assert nothing is None and len(calls) == 1  # every rank agreed: nothing gathered
 
 
 def _run(tmp_path, monkeypatch, every: int, fault_step: int | None, steps: int = 6):
@@ -201,3 +206,37 @@ def test_sdc_check_every_refuses_a_negative_value():
 
     with pytest.raises(UserError, match="sdc_check_every must be a whole number >= 0"):
         Policy(sdc_check_every=-1)
+
+
+def test_through_init_a_step_that_does_not_repeat_ends_the_run_in_one_line_without_a_ledger_line(tmp_path, capsys):
+    import ddp_kit
+    from ddp_kit.env import DistEnv
+
+    run = ddp_kit.init(run_dir=str(tmp_path), env=DistEnv(), device="cpu", resume="never", sdc_check_every=2,
+                       hang_timeout_s=0, config={"case": "replay"})
+    model = run.prepare(_model())
+    noise = torch.Generator().manual_seed(0)
+    x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
+    with pytest.raises(SystemExit) as ended, run:
+        for _ in range(3):
+            loss = run.forward_backward(model, lambda: nn.functional.cross_entropy(model(x), y)
+                                        + torch.rand((), generator=noise))
+            run.step(loss)
+    out = capsys.readouterr()
+    lines = [ln for ln in (out.out + out.err).splitlines() if "not repeatable" in ln]
+    assert ended.value.code == 2 and len(lines) == 1 and "step 2 is not repeatable" in lines[0], out.err[-2000:]
+    assert "deterministic=True" in lines[0]
+    records = [json.loads(ln) for ln in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["event"] == "replay"]  # the end line alone records it
+
+
+def test_the_strategies_it_cannot_serve_are_refused_at_prepare():
+    from ddp_kit.boundary.replay_check import refuse_strategy
+    from ddp_kit.errors import UserError
+    from ddp_kit.parallel.strategy import strategy
+
+    refuse_strategy(0, strategy("fsdp"))  # off: anything goes
+    refuse_strategy(10, strategy("ddp"))
+    for name in ("fsdp", "hsdp"):
+        with pytest.raises(UserError, match=f"strategy {name} shards the parameters"):
+            refuse_strategy(10, strategy(name))

@@ -49,6 +49,10 @@ class Computed:
         return loss if not torch.equal(self.table, other.table) else "its loss"
 
 
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A tensor's value as bits: NaN equals the NaN the same computation gave (torch.equal's NaN does not)."""
     return t.detach().double().reshape(1).view(torch.int64)
@@ -58,18 +62,22 @@ class Digest(AbstractContextManager):
     """Tensor hooks on the parameters that sum each local gradient as autograd delivers it (before DDP's
     reducer sees it: its hooks run after the gradient is accumulated), and leave the gradient as it is."""
 
-    def __init__(self, params: Sequence[nn.Parameter]):
+    def __init__(self, params: Sequence[nn.Parameter], keep: bool = True):
         self.params = params
+        self.keep = keep  # False: each gradient is dropped once digested (the replay's: memory for one copy less)
         self.sums: list[torch.Tensor | None] = [None] * len(params)
         self.handles: list[Any] = []
 
     def __enter__(self) -> Digest:
         self.handles = [p.register_hook(functools.partial(self._add, i)) for i, p in enumerate(self.params)]
+        if not self.keep:
+            self.handles += [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.params]
         return self
 
     def _add(self, i: int, grad: torch.Tensor) -> None:
         g = grad.coalesce().values() if grad.is_sparse else grad
-        s = torch.stack((g.sum(dtype=torch.float64), g.abs().sum(dtype=torch.float64)))
+        # the 1-norm is the sum of |values| in one reduction, with no tensor of |values| made first
+        s = torch.stack((g.sum(dtype=torch.float64), torch.linalg.vector_norm(g, 1, dtype=torch.float64)))
         prev = self.sums[i]
         self.sums[i] = s if prev is None else prev + s  # a parameter whose gradient comes in parts
 
@@ -110,8 +118,8 @@ class Snapshot:
 
 
 def compute_once(params: Sequence[nn.Parameter], compute: Callable[[], torch.Tensor],
-                 backward: Callable[[torch.Tensor], None], device: torch.device) -> Computed:
-    with Digest(params) as d:
+                 backward: Callable[[torch.Tensor], None], device: torch.device, keep: bool = True) -> Computed:
+    with Digest(params, keep) as d:
         loss = compute()
         backward(loss)
     return Computed(loss, d.table(device))
@@ -157,14 +165,25 @@ class Finding:
         return (f"silent data corruption suspected at step {self.step} (replay check, sdc_check_every): "
                 + "; ".join(parts) + "; the step goes on with the third computation's gradients")
 
+    @property
+    def bad(self) -> tuple[int, ...]:
+        """The ranks whose computations do not repeat (the third agreed with neither, or differed alone)."""
+        return tuple(r for r, o in enumerate(self.odd) if o not in GOES_ON)
+
+    @property
+    def a_host_to_blame(self) -> bool:
+        """Whether another rank computed the step the same way each time: only then is the step itself
+        repeatable, and the ranks that were not are their hosts' (else a kernel or the loss is not deterministic)."""
+        return any(o == SAME for o in self.odd)
+
     def not_repeatable(self) -> str:
-        bad = [r for r, o in enumerate(self.odd) if o not in GOES_ON]
-        if len(bad) == len(self.odd) and len(bad) > 1:
-            return (f"step {self.step} is not repeatable on any rank (replay check, sdc_check_every): each "
-                    f"computation of it gives other gradients on every rank")
-        who = ", ".join(f"rank {r} (host {self.hosts[r]})" for r in bad)
-        return (f"silent data corruption suspected at step {self.step} (replay check, sdc_check_every): {who} "
-                f"computed the step three times with no two computations agreeing")
+        if not self.a_host_to_blame:
+            return (f"step {self.step} is not repeatable (replay check, sdc_check_every): computed three times, "
+                    f"it gave other gradients on {'every rank' if len(self.odd) > 1 else 'this rank'}, "
+                    f"where no rank computed it the same way each time")
+        words = {NONE: "with no two of three computations agreeing", THIRD: "the same way twice, then differently"}
+        who = "; ".join(f"rank {r} (host {self.hosts[r]}) computed the step {words[self.odd[r]]}" for r in self.bad)
+        return f"silent data corruption suspected at step {self.step} (replay check, sdc_check_every): {who}"
 
     def record(self) -> dict[str, Any]:
         """The run ledger's `replay` line."""
@@ -175,11 +194,12 @@ class Finding:
 
 def checked(model: nn.Module, compute: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], *,
             step: int, device: torch.device, local: Callable[[], AbstractContextManager],
-            exchange: Callable[[tuple[str, str, str]], list[tuple[str, str, str]]],
+            agree: Callable[[bool], bool], exchange: Callable[[tuple[str, str, str]], list[tuple[str, str, str]]],
             host: str) -> tuple[torch.Tensor, Finding | None]:
     """The step's forward and backward (`compute`, then `backward` of its loss, in the caller's context:
-    synced or a no_sync micro-step), computed again under `local()` (no all-reduce) and compared; on a
-    mismatch on any rank (`exchange`: every rank's (odd, what, host), collective), a third time as the first.
+    synced or a no_sync micro-step), computed again under `local()` (no all-reduce) and compared. `agree`
+    (collective, a few bytes): whether every rank's two computations agreed; where one did not, every rank
+    computes the step a third time as the first, and `exchange` (collective) gives every rank's (odd, what, host).
     Returns the loss to go on with and what was found (None: every rank's two computations agreed)."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads_before = [None if p.grad is None else p.grad.detach().clone() for p in params]  # a micro-step's
@@ -190,13 +210,11 @@ def checked(model: nn.Module, compute: Callable[[], torch.Tensor], backward: Cal
     for p in params:
         p.grad = None  # the replay's local gradients alone, not added to the first's
     with local():
-        second = compute_once(params, compute, backward, device)
+        second = compute_once(params, compute, backward, device, keep=False)
     after.put_back(model, device)
     for p, g in zip(params, grads_after):
         p.grad = g  # the first computation's gradients (DDP's bucket views, where it made them) again
-    agreed = first.same(second)
-    words = exchange((SAME, "", host) if agreed else ("?", first.what_differs(second), host))
-    if all(w[0] == SAME for w in words):
+    if agree(first.same(second)):
         return first.loss, None
     before.put_back(model, device)
     for p, g in zip(params, grads_before):
