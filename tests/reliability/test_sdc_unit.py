@@ -332,3 +332,21 @@ def test_a_stop_drops_the_memory_copies_after_the_agreement_so_the_rerun_resumes
     told = Told()
     _, steps = _train(tmp_path / "run", "explicit", None, monkeypatch, 6, hook=told, mem_ckpt_every=4, resume="auto")
     assert told.calls[0][0] == 12 and steps == 24, told.calls
+
+
+def test_a_divergence_that_follows_the_ranks_to_other_hosts_at_the_same_step_is_the_programs(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """An earlier attempt's ledger: rank 0 outvoted at step 18 on host "elsewhere" (since left out). Now rank 0
+    on host "here" disagrees at step 18 again: a fault follows the hosts, a program follows the ranks. One line,
+    exit 2 (not retried as infrastructure); on the same host it would be the host's second time (the test above)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "attempts.jsonl").write_text(json.dumps({"event": "rollback", "t": 1.0, "attempt": 1, "step": 18, "to": 12,
+                                                        "ranks": [0], "hosts": ["elsewhere"]}) + "\n")
+    with pytest.raises(SystemExit) as ended:
+        _train(run_dir, "explicit", 18, monkeypatch, 6)
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if "diverged" in ln]
+    assert ended.value.code == 2 and len(lines) == 1, out.err[-3000:]
+    assert "as at step 18 of attempt 1 on other hosts" in lines[0] and "is the program's" in lines[0], lines
+    assert "silent data corruption" not in out.out  # no rollback this time

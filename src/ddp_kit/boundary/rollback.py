@@ -77,8 +77,15 @@ def check(b: Boundary, done: int, extra: list[tuple[str, torch.Tensor]]) -> bool
                         f"{kept.restart('a rerun')}; with 3 or more ranks the majority names the rank and every rank rolls "
                         f"back (sync_fix rollback); if it repeats, check the hosts' GPUs (nvidia-smi -q -d ECC)",
                         verdict=True)
-    before = _disagreed_before(b, d.suspect_hosts())
+    before, repeated = _disagreed_before(b, d)
     kept = set_aside(b, agreed)
+    if repeated:  # the same ranks at the same step, on other hosts: what follows the ranks is the program
+        raise UserError(f"parameters diverged across ranks at step {done} (sync check): {d.who()}, as at {repeated} "
+                        f"on other hosts; a divergence that follows the ranks to other hosts at the same step is the "
+                        f"program's (code or data that differs by rank), not a device's{_moved(kept, agreed)}",
+                        "look for what differs by rank between the steps (an update only one rank makes, a rank's own "
+                        "random seed in the model, a buffer set from rank-local data); sync_fix error stops at the "
+                        "first divergence", verdict=True)
     if before:
         raise _again(d, before, kept)
     if b.steps.finishing:  # the loop is over: the steps since `agreed` cannot be trained again in this process
@@ -220,23 +227,30 @@ def roll_back(b: Boundary, d: Divergence, agreed: int, target: Target) -> None:
         hook.resumed(b, meta)
 
 
-def _disagreed_before(b: Boundary, hosts: list[str]) -> dict[str, str]:
-    """{host: when} for those of `hosts` whose ranks disagreed with the majority before in this run (the run
-    ledger's rollback lines, read by rank 0; every rank gets the same)."""
-    def seen() -> dict[str, str]:
+def _disagreed_before(b: Boundary, d: Divergence) -> tuple[dict[str, str], str]:
+    """({host: when} for the suspect hosts whose ranks disagreed with the majority before in this run, and where
+    the same ranks disagreed at the same step before on other hosts ('' if never: on the same host, a fault that
+    stays there, a stuck memory cell, repeats as a program would; the host is left out first, and a repeat
+    elsewhere tells): the run ledger's rollback lines, read by rank 0; every rank gets the same."""
+    hosts, ranks = d.suspect_hosts(), list(d.suspects)
+
+    def seen() -> tuple[dict[str, str], str]:
         try:
             records = read(b.rd.path / LEDGER)[0] if b.rd is not None else []
         except OSError:  # no ledger: nothing known before
             records = []
         out: dict[str, str] = {}
+        repeated = ""
         for r in records:
             if r.get("event") == "rollback" and isinstance(r.get("hosts"), list):
                 for h in r["hosts"]:
                     if h in hosts:
                         out.setdefault(h, f"step {r.get('step')} of attempt {r.get('attempt')}")
-        return out
-    before: dict[str, str] = broadcast_object(b.ctx, seen() if b.ctx.is_main else None)
-    return before
+                if r.get("step") == d.step and r.get("ranks") == ranks and not set(r["hosts"]) & set(hosts):
+                    repeated = repeated or f"step {d.step} of attempt {r.get('attempt')}"
+        return out, repeated
+    before, repeated = broadcast_object(b.ctx, seen() if b.ctx.is_main else None)
+    return before, repeated
 
 
 def _again(d: Divergence, before: dict[str, str], kept: Kept) -> Unhealthy:
@@ -247,5 +261,6 @@ def _again(d: Divergence, before: dict[str, str], kept: Kept) -> Unhealthy:
     return Unhealthy(f"silent data corruption suspected at step {d.step}, a second time on {', '.join(hosts)}: "
                      f"{d.who()} (the first: {then}); {kept.restart('a restart')}",
                      f"drain {', '.join(hosts)} and check its GPU (nvidia-smi -q -d ECC, Xid lines in its kernel log); "
-                     f"the health gate leaves it out at the next start where the launcher can (SLURM, elastic torchrun)",
+                     f"the health gate leaves it out at the next start where the launcher can (SLURM, elastic torchrun); "
+                     f"if it then repeats at step {d.step} on other hosts, it is the program's and says so",
                      hosts)
