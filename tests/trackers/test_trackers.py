@@ -25,6 +25,9 @@ pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")
 
 ALL = ["--trackers", "tensorboard,mlflow,wandb"]
+# MLflow's own retries (7, backoff 2 s) outlast the hub's 30 s give-up, which test_trackers_unit.py covers alone
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+FAIL_FAST_AFTER_ONE_RETRY = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +157,7 @@ def test_a_tracker_server_down_at_start_is_one_warning(tmp_path):
     took = time.monotonic()
     res = ok(run_cmd([sys.executable, "-m", "ddp_kit.train", "--epochs", "1", "--log_every", "5", "--ckpt_every", "10",
                       "--progress", "false", "--run_dir", str(run_dir), "--trackers", "mlflow,tensorboard"],
-                     env={"MLFLOW_TRACKING_URI": down}, timeout=120))
+                     env={"MLFLOW_TRACKING_URI": down, **FAIL_FAST}, timeout=120))
     took = time.monotonic() - took
     said = warnings(res.stdout + res.stderr)
     assert len(said) == 1 and "tracker mlflow" in said[0] and down in said[0], res.stdout + res.stderr
@@ -169,8 +172,9 @@ def test_a_tracker_server_gone_mid_run_is_one_warning(tmp_path, mlflow):
     cmd = [sys.executable, "-m", "ddp_kit.train", "--epochs", "2", "--log_every", "2", "--ckpt_every", "10",
            "--progress", "false", "--run_dir", str(run_dir), "--trackers", "mlflow",
            "--inject", "slow:rank=0:step=1:ms=150"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=proc_env(tracking_env(proxy.uri, "gone")), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = proc_env({**tracking_env(proxy.uri, "gone"), **FAIL_FAST_AFTER_ONE_RETRY})
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         end = time.monotonic() + 90
         while time.monotonic() < end and p.poll() is None:  # the server has taken some steps: take it away
