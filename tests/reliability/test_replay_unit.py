@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_kit.preflight.leave import twice_failed
-from ddp_kit.reliability.replay import FIRST, NONE, SAME, SECOND, THIRD, Computed, Finding, checked, judge
+from ddp_kit.reliability.replay import FIRST, NONE, SAME, SECOND, THIRD, Computed, Finding, _digest, checked, judge
 
 torch.manual_seed(0)
 DATA = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
@@ -68,6 +68,22 @@ def _state(model):
 
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a[0] + a[1] + [a[2]], b[0] + b[1] + [b[2]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_digest_moves_with_any_one_flipped_bit_and_not_with_the_summation_order(dtype):
+    """Where a float sum rounds a low bit away (a large total), the bit patterns' integer sum still moves; and it
+    is exact, so summing in another order (a kernel's other split) gives the same digest."""
+    g = (torch.randn(100_000, dtype=torch.float64) * 1e4).to(dtype)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}[dtype]
+    width = torch.iinfo(bits).bits
+    base = _digest(g)
+    for bit in (0, 1, width // 2, width - 2, width - 1):
+        hit = g.clone()
+        word = hit.view(bits)
+        word[4321] ^= torch.tensor(1, dtype=bits) << bit if bit < width - 1 else torch.tensor(torch.iinfo(bits).min, dtype=bits)
+        assert not torch.equal(_digest(hit), base), (dtype, bit)
+    assert torch.equal(_digest(g.flip(0)), base) and torch.equal(_digest(g.view(100, 1000).t()), base)
 
 
 @pytest.mark.parametrize("accumulated", [0, 2])
