@@ -110,8 +110,9 @@ class Run:
         out = [self._prepare_one(o, sync_bn, compile, channels_last, grad_accum, ddp, device_data,
                                  dict(strategy=strategy, fsdp=fsdp, amp=amp, **options)) for o in objs]
         if models:  # what the strategy adds at each step (strategy ft: the replica group's quorum)
-            for hook in chosen.step_hooks([o for o in out if isinstance(o, nn.Module)], self.ctx.env,
-                                          self._boundary.hooks):
+            wrapped = [o for o in out if isinstance(o, nn.Module)]
+            replay_check.refuse_sync_bn(self._boundary.policy.sdc_check_every, wrapped, self.ctx.world_size)
+            for hook in chosen.step_hooks(wrapped, self.ctx.env, self._boundary.hooks):
                 self._boundary.attach(hook)
         for o in out:
             if callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)):

@@ -55,7 +55,7 @@ def _step(model, x, y, *, check: bool, agree=None, exchange=None, fault=None, ac
             loss = compute()
             backward(loss)
             return loss, None
-        return checked(model, compute, backward, step=7, device=torch.device("cpu"), local=nullcontext,
+        return checked([model], compute, backward, step=7, device=torch.device("cpu"), local=nullcontext,
                        agree=agree or (lambda same: same), exchange=exchange or (lambda mine: [mine]), host="here")
     finally:
         if handle is not None:
@@ -110,11 +110,14 @@ def test_a_transient_fault_in_either_computation_is_found_and_the_step_goes_on_r
     _step(clean, x, y, check=False, accumulated=accumulated)
     model = _model()
     torch.manual_seed(5)
+    held = []  # the accumulated gradients' tensors (DDP's bucket views where it made them): kept, not replaced
     loss, found = _step(model, x, y, check=True, accumulated=accumulated,
-                        fault=lambda m: _flip_once(m[0].weight, on_call))
+                        fault=lambda m: (held.extend(p.grad for p in m.parameters()), _flip_once(m[0].weight, on_call))[1])
     assert found is not None and found.odd == (odd,) and found.goes_on and found.ranks == (0,)
     assert found.what == ("its gradients",)  # the loss is the forward's: the fault came after it
     assert _same(_state(clean), _state(model))  # the third computation's gradients, the faultless ones
+    if accumulated:
+        assert all(p.grad is g for p, g in zip(model.parameters(), held))
     line = found.line()
     assert line.startswith("silent data corruption suspected at step 7 (replay check, sdc_check_every): rank 0 "
                            "(host here) computed its gradients differently in the "), line
@@ -139,11 +142,13 @@ def test_a_step_that_does_not_repeat_is_named_a_setting_alone_and_a_host_where_a
     def compute():
         return nn.functional.cross_entropy(model(x), y) + torch.rand((), generator=noise)
 
-    _, found = checked(model, compute, lambda loss: loss.backward(), step=3, device=torch.device("cpu"),
+    _, found = checked([model], compute, lambda loss: loss.backward(), step=3, device=torch.device("cpu"),
                        local=nullcontext, agree=lambda same: same, exchange=lambda mine: [mine], host="here")
     assert found is not None and found.odd == (NONE,) and not found.goes_on and not found.a_host_to_blame
     assert found.not_repeatable().startswith("step 3 is not repeatable (replay check, sdc_check_every): computed "
                                              "three times, it gave other gradients on this rank")
+    # a rank that repeated the step twice of three (a transient fault of its own) shows the step is repeatable
+    assert Finding(3, (FIRST, NONE), ("its gradients", "its gradients"), ("a", "b")).a_host_to_blame
     one_bad = Finding(3, (SAME, NONE, THIRD), ("", "its loss", "its gradients"), ("a", "b", "c"))
     assert one_bad.a_host_to_blame and one_bad.bad == (1, 2)
     assert one_bad.not_repeatable() == ("silent data corruption suspected at step 3 (replay check, sdc_check_every): "
@@ -256,3 +261,41 @@ def test_the_strategies_it_cannot_serve_are_refused_at_prepare():
     for name in ("fsdp", "hsdp"):
         with pytest.raises(UserError, match=f"strategy {name} shards the parameters"):
             refuse_strategy(10, strategy(name))
+
+
+def test_sync_batchnorm_is_refused_where_it_shares_statistics():
+    from ddp_kit.boundary.replay_check import refuse_sync_bn
+    from ddp_kit.errors import UserError
+
+    synced = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+    refuse_sync_bn(0, [synced], 2)  # off
+    refuse_sync_bn(10, [synced], 1)  # one rank: nothing shared
+    refuse_sync_bn(10, [_model()], 2)  # plain BatchNorm: each rank's own
+    with pytest.raises(UserError, match="SyncBatchNorm shares the batch statistics"):
+        refuse_sync_bn(10, [_model(), synced], 2)
+
+
+def test_a_loss_that_reaches_another_prepared_model_is_replayed_on_both(tmp_path):
+    """An encoder and a head prepared together, the check named with the head: the encoder's gradients and
+    BatchNorm statistics are the replay's too (else its gradient came out doubled on a check step)."""
+    import ddp_kit
+    from ddp_kit.env import DistEnv
+
+    def trained(every: int):
+        run = ddp_kit.init(run_dir=str(tmp_path / str(every)), env=DistEnv(), device="cpu", resume="never",
+                           sdc_check_every=every, hang_timeout_s=0, config={"case": "replay2"})
+        torch.manual_seed(1)
+        enc, head = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3)
+        enc, head = run.prepare(enc, head)
+        x, y = DATA.tensors[0][:16], DATA.tensors[1][:16]
+        with run:
+            for _ in range(2):
+                loss = run.forward_backward(head, lambda: nn.functional.cross_entropy(head(enc(x)), y))
+                grads = [p.grad.clone() for p in [*enc.parameters(), *head.parameters()]]
+                for p in [*enc.parameters(), *head.parameters()]:
+                    p.grad = None
+                run.step(loss)
+        return grads, [b.clone() for b in enc.buffers()]
+
+    plain, checked_ = trained(0), trained(1)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0] + plain[1], checked_[0] + checked_[1]))

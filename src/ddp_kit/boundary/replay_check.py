@@ -4,7 +4,8 @@ compared before the optimizer sees them (reliability/replay.py; docs/sdc.md). Wh
 where a rank's computations do not repeat, ends the attempt naming the host."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,24 @@ def refuse_strategy(every: int, strategy: Any) -> None:
                         "strategy ft; its groups' sync check still compares the replicas")
 
 
+def refuse_sync_bn(every: int, models: Sequence[nn.Module], world_size: int) -> None:
+    """At run.prepare (and at a check, for a model prepared elsewhere): SyncBatchNorm shares batch statistics
+    across ranks in the forward and the backward, no_sync or not, so no rank computes a step alone and a fault
+    on one rank would move every rank's computation (every host blamed)."""
+    if every and world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for model in models for m in model.modules()):
+        raise UserError("sdc_check_every needs each rank to compute a step alone, and SyncBatchNorm shares the batch "
+                        "statistics across ranks in every computation", "set sdc_check_every 0, or drop sync_bn (each "
+                        "rank then keeps its own BatchNorm statistics)")
+
+
+def _local(models: Sequence[nn.Module]) -> ExitStack:
+    """No all-reduce for any of the models (the replay's computation is each rank's own)."""
+    stack = ExitStack()
+    for m in models:
+        stack.enter_context(sync_gradients(m, False))
+    return stack
+
+
 def forward_backward(b: Boundary, model: nn.Module, compute: Callable[[], torch.Tensor],
                      backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
     """`compute()`, then `backward` of its loss; returns the loss. On a check step, computed again and compared."""
@@ -50,8 +69,12 @@ def forward_backward(b: Boundary, model: nn.Module, compute: Callable[[], torch.
     if is_sharded(model):  # a model prepared elsewhere than run.prepare (refuse_strategy)
         refuse_strategy(every, strategy_of(model))
     ctx = b.ctx
-    loss, found = checked(model, compute, backward, step=step, device=ctx.device,
-                          local=lambda: sync_gradients(model, False), agree=lambda same: all_true(ctx, same),
+    # Every model the run prepared, not only the one named: a loss may reach another (a GAN's discriminator,
+    # an encoder and a decoder), whose gradients a replay would otherwise add to and whose buffers it would move.
+    models = list(dict.fromkeys([model, *b.models]))
+    refuse_sync_bn(every, models, ctx.world_size)
+    loss, found = checked(models, compute, backward, step=step, device=ctx.device,
+                          local=lambda: _local(models), agree=lambda same: all_true(ctx, same),
                           exchange=lambda mine: all_gather_object(ctx, mine), host=host_name())
     if found is None:
         return loss

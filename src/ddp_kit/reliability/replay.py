@@ -107,24 +107,25 @@ class Snapshot:
     cpu_rng: torch.Tensor
     device_rng: torch.Tensor | None
     buffers: tuple[torch.Tensor, ...]
-    forward_sync: Any
+    forward_sync: tuple[Any, ...]  # per model
 
     @staticmethod
-    def take(model: nn.Module, device: torch.device) -> Snapshot:
+    def take(models: Sequence[nn.Module], device: torch.device) -> Snapshot:
         cuda = device.type == "cuda"
         return Snapshot(torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None,
-                        tuple(b.detach().clone() for b in model.buffers()),
-                        getattr(model, "require_forward_param_sync", None))
+                        tuple(b.detach().clone() for m in models for b in m.buffers()),
+                        tuple(getattr(m, "require_forward_param_sync", None) for m in models))
 
-    def put_back(self, model: nn.Module, device: torch.device) -> None:
+    def put_back(self, models: Sequence[nn.Module], device: torch.device) -> None:
         torch.set_rng_state(self.cpu_rng)
         if self.device_rng is not None:
             torch.cuda.set_rng_state(self.device_rng, device)
         with torch.no_grad():
-            for b, saved in zip(model.buffers(), self.buffers):
+            for b, saved in zip((b for m in models for b in m.buffers()), self.buffers):
                 b.copy_(saved)
-        if self.forward_sync is not None:
-            model.require_forward_param_sync = self.forward_sync  # type: ignore[assignment]
+        for m, sync in zip(models, self.forward_sync):
+            if sync is not None:
+                m.require_forward_param_sync = sync  # type: ignore[assignment]
 
 
 def compute_once(params: Sequence[nn.Parameter], compute: Callable[[], torch.Tensor],
@@ -182,15 +183,16 @@ class Finding:
 
     @property
     def a_host_to_blame(self) -> bool:
-        """Whether another rank computed the step the same way each time: only then is the step itself
-        repeatable, and the ranks that were not are their hosts' (else a kernel or the loss is not deterministic)."""
-        return any(o == SAME for o in self.odd)
+        """Whether another rank repeated the step (the same way each time, or twice of three with one transient
+        fault): only then is the step itself repeatable, and the ranks that did not are their hosts' (else a
+        kernel or the loss is not deterministic)."""
+        return any(o in GOES_ON for o in self.odd)
 
     def not_repeatable(self) -> str:
         if not self.a_host_to_blame:
             return (f"step {self.step} is not repeatable (replay check, sdc_check_every): computed three times, "
                     f"it gave other gradients on {'every rank' if len(self.odd) > 1 else 'this rank'}, "
-                    f"where no rank computed it the same way each time")
+                    f"where no rank computed it the same way twice")
         words = {NONE: "with no two of three computations agreeing", THIRD: "the same way twice, then differently"}
         who = "; ".join(f"rank {r} (host {self.hosts[r]}) computed the step {words[self.odd[r]]}" for r in self.bad)
         return f"silent data corruption suspected at step {self.step} (replay check, sdc_check_every): {who}"
@@ -202,33 +204,40 @@ class Finding:
                 "odd": {str(r): self.odd[r] for r in self.ranks}, "went_on": self.goes_on}
 
 
-def checked(model: nn.Module, compute: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], *,
+def checked(models: Sequence[nn.Module], compute: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], *,
             step: int, device: torch.device, local: Callable[[], AbstractContextManager],
             agree: Callable[[bool], bool], exchange: Callable[[tuple[str, str, str]], list[tuple[str, str, str]]],
             host: str) -> tuple[torch.Tensor, Finding | None]:
     """The step's forward and backward (`compute`, then `backward` of its loss, in the caller's context:
-    synced or a no_sync micro-step), computed again under `local()` (no all-reduce) and compared. `agree`
+    synced or a no_sync micro-step), computed again under `local()` (no all-reduce) and compared. `models`:
+    every model the loss may reach (their gradients, buffers and DDP state are what a computation changes). `agree`
     (collective, a few bytes): whether every rank's two computations agreed; where one did not, every rank
     computes the step a third time as the first, and `exchange` (collective) gives every rank's (odd, what, host).
     Returns the loss to go on with and what was found (None: every rank's two computations agreed)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads_before = [None if p.grad is None else p.grad.detach().clone() for p in params]  # a micro-step's
-    before = Snapshot.take(model, device)                                   # accumulated gradients, if any
+    params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
+    # A micro-step's accumulated gradients, if any: their tensors (DDP's bucket views, which its reducer
+    # divides in place: a copy in their place would be averaged by another kernel) and their values.
+    grads_before = [p.grad for p in params]
+    values_before = [None if g is None else g.detach().clone() for g in grads_before]
+    before = Snapshot.take(models, device)
     first = compute_once(params, compute, backward, device)
-    after, grads_after = Snapshot.take(model, device), [p.grad for p in params]
-    before.put_back(model, device)
+    after, grads_after = Snapshot.take(models, device), [p.grad for p in params]
+    before.put_back(models, device)
     for p in params:
         p.grad = None  # the replay's local gradients alone, not added to the first's
     with local():
         second = compute_once(params, compute, backward, device, keep=False)
-    after.put_back(model, device)
+    after.put_back(models, device)
     for p, g in zip(params, grads_after):
         p.grad = g  # the first computation's gradients (DDP's bucket views, where it made them) again
     if agree(first.same(second)):
         return first.loss, None
-    before.put_back(model, device)
-    for p, g in zip(params, grads_before):
-        p.grad = g
+    before.put_back(models, device)
+    with torch.no_grad():
+        for p, g, v in zip(params, grads_before, values_before):
+            if g is not None and v is not None:
+                g.copy_(v)
+            p.grad = g
     third = compute_once(params, compute, backward, device)
     odd = judge(first, second, third)
     words = exchange((odd, "" if odd == SAME else first.what_differs(third if odd == THIRD else second), host))
