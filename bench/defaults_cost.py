@@ -64,6 +64,18 @@ def launch(variant: str, nproc: int, steps: int, device: str, tmp: Path) -> dict
     return data
 
 
+def write_results(result: dict, out: str | None, default: str) -> Path:
+    """The results as JSON at `out`, else bench/`default`."""
+    path = Path(out) if out else HERE / default
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def shown(s: dict, unit: str = "") -> str:
+    """A spread (see spread) as "median unit (min..max)"."""
+    return f"{s['median']:.3f}{unit} ({s['min']:.3f}..{s['max']:.3f})"
+
+
 def step_s(data: dict, skip: int) -> float:
     ends = data["ends"]
     return statistics.median(b - a for a, b in list(zip(ends, ends[1:]))[skip:])
@@ -139,15 +151,13 @@ def main(rounds: int = 9, steps: int = 600, skip: int = 100, device: str = "cpu"
         "weights_bitwise_equal": len({x["param_sha256"] for v in names for x in runs[v]}) == 1,
         "parts": breakdown,
     }
-    path = Path(out) if out else HERE / "defaults_cost_results.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = write_results(result, out, "defaults_cost_results.json")
     print(f"{device}, {nproc} rank(s), {rounds} rounds of {steps} steps (median step after {skip}):")
     for v in names:
-        s = result["step_ms"][v]
-        print(f"  {v:8s} {s['median']:.3f} ms ({s['min']:.3f}..{s['max']:.3f})")
+        print(f"  {v:8s} {shown(result['step_ms'][v], ' ms')}")
     for kind, what in (("ratio", "median step"), ("loop_ratio", "whole loop "), ("cpu_ratio", "rank 0 CPU ")):
         for name, s in result[kind].items():
-            print(f"  {what} {name:13s} {s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f})")
+            print(f"  {what} {name:13s} {shown(s)}")
     print(f"  other processes' load: median {result['other_load_cores']['median']:.2f} cores "
           f"(max {result['other_load_cores']['max']:.2f}); weights bitwise equal: {result['weights_bitwise_equal']}")
     print(f"  -> {path}")

@@ -14,16 +14,14 @@ bench/replay_cost_results.json (or --out).
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
 from pathlib import Path
 
 import fire
-from defaults_cost import VARIANTS, cpu_step_s, launch, loop_step_s, spread
+from defaults_cost import VARIANTS, cpu_step_s, launch, loop_step_s, shown, spread, write_results
 
-HERE = Path(__file__).resolve().parent
 CHECKED = {"defaults": ["kit_ddp.py"], "every_100": ["kit_ddp.py", "--sdc_check_every", "100"],
            "every_10": ["kit_ddp.py", "--sdc_check_every", "10"]}
 
@@ -56,16 +54,13 @@ def main(rounds: int = 5, steps: int = 600, skip: int = 100, out: str | None = N
         "at_most": {"every_100": 1.01, "every_10": 1.1},
         "weights_bitwise_equal": len({x["param_sha256"] for v in names for x in runs[v]}) == 1,
     }
-    path = Path(out) if out else HERE / "replay_cost_results.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = write_results(result, out, "replay_cost_results.json")
     print(f"cpu, 2 ranks, {rounds} rounds of {steps} steps (whole loop's mean step after {skip}):")
     for v in names:
-        s = result["loop_step_ms"][v]
-        print(f"  {v:10s} {s['median']:.3f} ms ({s['min']:.3f}..{s['max']:.3f})")
+        print(f"  {v:10s} {shown(result['loop_step_ms'][v], ' ms')}")
     for kind in ("loop_ratio", "cpu_ratio"):
         for v, s in result[kind].items():
-            print(f"  {kind} {v}/defaults {s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f}); at most "
-                  f"{result['at_most'][v]}")
+            print(f"  {kind} {v}/defaults {shown(s)}; at most {result['at_most'][v]}")
     print(f"  weights bitwise equal: {result['weights_bitwise_equal']}  -> {path}")
     if not result["weights_bitwise_equal"]:
         raise SystemExit("replay_cost: a checked run ended on other weights than the unchecked one")
