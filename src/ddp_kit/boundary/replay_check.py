@@ -72,7 +72,8 @@ def forward_backward(b: Boundary, model: nn.Module, compute: Callable[[], torch.
     # Every model the run prepared, not only the one named: a loss may reach another (a GAN's discriminator,
     # an encoder and a decoder), whose gradients a replay would otherwise add to and whose buffers it would move.
     models = list(dict.fromkeys([model, *b.models]))
-    refuse_sync_bn(every, models, ctx.world_size)
+    if len(models) > len(b.models):  # `model` was prepared elsewhere (run.prepare refused the others' SyncBatchNorm)
+        refuse_sync_bn(every, [model], ctx.world_size)
     loss, found = checked(models, compute, backward, step=step, device=ctx.device,
                           local=lambda: _local(models), agree=lambda same: all_true(ctx, same),
                           exchange=lambda mine: all_gather_object(ctx, mine), host=host_name())
